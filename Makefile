@@ -1,0 +1,53 @@
+# lmcache_r3 — two commands do everything on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lmcache_r3-setup
+EXTRAS ?= cpu,mooncake,test
+
+# Every process we start has telemetry off.
+export LMCACHE_TRACK_USAGE := false
+export DO_NOT_TRACK := 1
+export VLLM_NO_USAGE_STATS := 1
+
+.PHONY: setup test test-fast test-engine demo lint bench gpu-check clean
+
+setup: $(STAMP) system-libs
+
+# The venv is rebuilt only when pyproject.toml changes; a second `make setup` does nothing slow.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@# torch first, so nothing pulls a CUDA build of it
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+.PHONY: system-libs
+system-libs:
+	@# mooncake.store needs libibverbs.so.1, which its wheel does not ship
+	@ldconfig -p | grep -q 'libibverbs.so.1' || { \
+	  echo "installing libibverbs1 (needed by mooncake.store)"; \
+	  (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null; }
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not engine and not harness and not mooncake and not server" $(PYTEST_ARGS)
+
+test-engine: setup
+	$(PY) -m pytest tests -m engine $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/lmcache-r3 demo
+
+lint: setup
+	$(VENV)/bin/ruff check lmcache_r3 tests bench
+	$(VENV)/bin/ruff format --check lmcache_r3 tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,168 @@
+"""Local service processes: start with telemetry off on loopback, wait for a real readiness probe, stop by pid.
+
+A *managed process* is one child started by lmcache_r3 (an LMCache MP server, a Mooncake master, a vLLM engine
+run). It gets its own process group, so stopping it by its pid also ends every process it started, and its
+output goes to a log file that errors quote. Readiness is always a probe of the service itself (an RPC ping,
+an HTTP health check), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+#: Environment every process we start gets: no usage telemetry from LMCache or vLLM.
+TELEMETRY_OFF: Mapping[str, str] = {
+    "LMCACHE_TRACK_USAGE": "false",
+    "DO_NOT_TRACK": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServiceStartError(RuntimeError):
+    """A managed process exited or never became ready; the message ends with the tail of its log."""
+
+
+def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The current environment with telemetry off, plus ``extra``."""
+    env = dict(os.environ)
+    env.update(TELEMETRY_OFF)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def executable(name: str) -> str:
+    """Path of a console script, preferring the one next to the running interpreter (the project venv).
+
+    Raises:
+        ServiceStartError: when the script is installed nowhere, naming the package that provides it.
+    """
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ServiceStartError(
+            f"'{name}' is not installed in {Path(sys.executable).parent} or on PATH; run `make setup` "
+            "(it installs lmcache and mooncake-transfer-engine-non-cuda into .venv)"
+        )
+    return found
+
+
+class ManagedProcess:
+    """One child process in its own process group, with its output in ``log_path``.
+
+    Args:
+        name: short name used in errors and log file names.
+        argv: the command line.
+        log_path: file that receives stdout and stderr.
+        env: extra environment on top of :func:`service_env`.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=service_env(env),
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return "<no log>"
+        return data[-max_bytes:].decode(errors="replace")
+
+    def wait_ready(self, probe: Callable[[], bool], timeout_s: float, what: str) -> float:
+        """Poll ``probe`` until it returns True; returns the seconds it took.
+
+        A probe that raises ``OSError`` or ``TimeoutError`` counts as "not yet".
+
+        Raises:
+            ServiceStartError: the process exited first, or ``timeout_s`` passed.
+        """
+        start = time.monotonic()
+        delay = 0.02
+        while True:
+            if not self.alive():
+                raise ServiceStartError(
+                    f"{self.name} (pid {self.pid}) exited with code {self.popen.returncode} before {what}.\n"
+                    f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                if probe():
+                    return time.monotonic() - start
+            except (OSError, TimeoutError):
+                pass
+            if time.monotonic() - start > timeout_s:
+                raise ServiceStartError(
+                    f"{self.name} (pid {self.pid}) did not reach '{what}' within {timeout_s:.0f} s.\n"
+                    f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM the process, then SIGKILL its whole group if it does not exit in ``timeout_s``.
+
+        Also ends any process the child left behind in its group. Returns the exit code.
+        """
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(self.pid)
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

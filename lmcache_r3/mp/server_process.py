@@ -1,0 +1,170 @@
+"""A stock ``lmcache server`` (LMCache 0.5.6 multiprocess mode) run as a local managed process.
+
+The server is configured by command-line flags only. :func:`server_argv` builds that command line from typed
+settings, :func:`start_server` runs it on loopback with telemetry off and returns once the server answers an RPC
+``ping`` and its HTTP ``/status``. Everything lmcache_r3 starts (the demo, the tests) goes through here.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Flags of one ``lmcache server`` process."""
+
+    port: int
+    """ZMQ request port (the vLLM connector's ``lmcache.mp.port``)."""
+    http_port: int
+    """HTTP port of ``/status``, ``/cache/clear`` and the metrics API."""
+    host: str = LOOPBACK
+    chunk_size: int = 256
+    """Tokens per LMCache chunk; a multiple of the engine's block size."""
+    l1_size_gb: float = 0.5
+    eviction_policy: str = "LRU"
+    max_workers: int = 2
+    """Worker threads; server modules share the CPU pool with lookups, so keep it >= 2."""
+    transfer_mode: str = "auto"
+    """``auto`` lets a CPU worker (which asks for engine_driven) and lmcache_driven clients both connect."""
+    server_modules: tuple[dict[str, Any], ...] = ()
+    """``--server-module`` JSON objects (``module_path``, ``factory_name``, ``config``)."""
+    l2_adapters: tuple[dict[str, Any], ...] = ()
+    """``--l2-adapter`` JSON objects, stacked in order."""
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    """Further flags passed through unchanged (e.g. ``--separate-object-groups``)."""
+
+
+def server_argv(settings: ServerSettings, program: str | None = None) -> list[str]:
+    """The ``lmcache server`` command line for ``settings``."""
+    argv = [
+        program or executable("lmcache"),
+        "server",
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.port),
+        "--http-host",
+        settings.host,
+        "--http-port",
+        str(settings.http_port),
+        "--chunk-size",
+        str(settings.chunk_size),
+        "--l1-size-gb",
+        repr(float(settings.l1_size_gb)),
+        "--eviction-policy",
+        settings.eviction_policy,
+        "--max-workers",
+        str(settings.max_workers),
+        "--supported-transfer-mode",
+        settings.transfer_mode,
+        "--disable-metrics",
+    ]
+    for module in settings.server_modules:
+        argv += ["--server-module", json.dumps(module, separators=(",", ":"))]
+    for adapter in settings.l2_adapters:
+        argv += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"))]
+    argv += list(settings.extra_args)
+    return argv
+
+
+class LMCacheServer:
+    """A running ``lmcache server``; stop it with :meth:`stop` (by pid, whole process group)."""
+
+    def __init__(self, settings: ServerSettings, process: ManagedProcess) -> None:
+        self.settings = settings
+        self.process = process
+
+    @property
+    def url(self) -> str:
+        """ZMQ endpoint, e.g. ``tcp://127.0.0.1:5555``."""
+        return f"tcp://{self.settings.host}:{self.settings.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.http_port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def connector_extra_config(self, mq_timeout_s: float = 30.0) -> dict[str, Any]:
+        """``kv_connector_extra_config`` entries that point LMCache's vLLM connector at this server."""
+        return {
+            "lmcache.mp.host": f"tcp://{self.settings.host}",
+            "lmcache.mp.port": self.settings.port,
+            "lmcache.mp.mq_timeout": mq_timeout_s,
+        }
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The server's ``GET /status`` document."""
+        with urllib.request.urlopen(f"{self.http_url}/status", timeout=timeout_s) as resp:
+            return json.load(resp)
+
+    def l1_counts(self) -> dict[str, int]:
+        """Object, lock and byte counts of the default L1 manager, from ``/status``."""
+        l1 = self.status()["storage_manager"]["l1_managers"]["_default"]
+        keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
+        return {key: int(l1[key]) for key in keys}
+
+    def clear_l1(self, timeout_s: float = 10.0) -> None:
+        """``POST /cache/clear``: drop every unlocked L1 object (L2 tiers keep theirs)."""
+        request = urllib.request.Request(f"{self.http_url}/cache/clear", method="POST", data=b"")
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            resp.read()
+
+    def ping(self, timeout_s: float = 1.0) -> bool:
+        """One RPC ``ping`` over a fresh ZMQ client."""
+        import zmq
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+        context = zmq.Context()
+        client = RequestClientFactory.create(self.url, context=context)
+        try:
+            return bool(client.ping(None).result(timeout=timeout_s))
+        finally:
+            client.close()
+            context.term()
+
+    def stop(self) -> int | None:
+        return self.process.stop()
+
+
+def start_server(
+    settings: ServerSettings,
+    log_path: Path,
+    ready_timeout_s: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> LMCacheServer:
+    """Start ``lmcache server`` and wait until both its RPC and HTTP ports answer.
+
+    Raises:
+        ServiceStartError: it exited or did not become ready; the message quotes its log.
+    """
+    process = ManagedProcess(
+        "lmcache server",
+        server_argv(settings),
+        log_path,
+        env={"LMCACHE_DISABLE_BANNER": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
+    server = LMCacheServer(settings, process)
+    try:
+        process.wait_ready(server.ping, ready_timeout_s, "answering RPC ping")
+        process.wait_ready(lambda: bool(server.status(timeout_s=1.0)), ready_timeout_s, "serving /status")
+    except BaseException:
+        process.stop()
+        raise
+    return server
+
+
+def loopback_settings(**overrides: Any) -> ServerSettings:
+    """:class:`ServerSettings` on two free loopback ports, with ``overrides``."""
+    ports: dict[str, Any] = {"port": free_port(), "http_port": free_port()}
+    ports.update(overrides)
+    return ServerSettings(**ports)

@@ -1,0 +1,143 @@
+"""Fixtures that start the real services lmcache_r3 runs with: an LMCache MP server, a Mooncake master + holder,
+tiny MoE models, and the vLLM scheduler harness. Each listens on 127.0.0.1 with free ports, has telemetry off,
+is ready when a real probe answers, is stopped by pid, and has its log quoted when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_r3.launch import TELEMETRY_OFF
+from tests.support.processes import (
+    REGISTRY,
+    RUN_MARKER_VAR,
+    ensure_run_marker,
+    kill_pids,
+    processes_with_marker,
+)
+
+# Telemetry off for this process and, by inheritance, for everything it starts.
+os.environ.update(TELEMETRY_OFF)
+os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+RUN_MARKER = ensure_run_marker()
+
+
+# -- failure reports and leftover processes ---------------------------------------------------------------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for title, text in REGISTRY.log_sections():
+            report.sections.append((title, text))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if any process started by this session outlived it (after every fixture was torn down)."""
+    if os.environ.get(RUN_MARKER_VAR) != RUN_MARKER:
+        return
+    leftovers = processes_with_marker(RUN_MARKER)
+    if not leftovers:
+        return
+    lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(leftovers.items()))
+    sys.stderr.write(f"\nERROR: {len(leftovers)} process(es) started by this test session still run:\n{lines}\n")
+    kill_pids(list(leftovers))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- LMCache MP server -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def lmcache_server_factory(tmp_path_factory) -> Iterator[Callable[..., object]]:
+    """Start ``lmcache server`` processes: ``factory(chunk_size=..., server_modules=(...), l2_adapters=(...),
+    extra_args=("--separate-object-groups",), transfer_mode="auto")``. All are stopped at session end;
+    a test may stop one earlier with ``server.stop()``."""
+    from lmcache_r3.mp.server_process import loopback_settings, start_server
+
+    started = []
+    logs = tmp_path_factory.mktemp("lmcache-server")
+
+    def factory(**overrides):
+        settings = loopback_settings(**overrides)
+        server = start_server(settings, logs / f"server-{len(started)}-{settings.port}.log")
+        REGISTRY.add(server.process)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def lmcache_server(lmcache_server_factory):
+    """One shared server: chunk size 64 (two 32-token blocks), 0.5 GiB L1."""
+    return lmcache_server_factory(chunk_size=64)
+
+
+# -- Mooncake -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def mooncake_cluster(tmp_path_factory):
+    """A Mooncake master and a separate holder process (256 MB segment) on loopback."""
+    from tests.support.mooncake import start_mooncake
+
+    cluster = start_mooncake(tmp_path_factory.mktemp("mooncake"))
+    REGISTRY.add(cluster.master)
+    REGISTRY.add(cluster.holder)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def mooncake_store(mooncake_cluster):
+    """A store client that holds no memory itself, set up after the master answers /health."""
+    store = mooncake_cluster.client()
+    yield store
+    store.close()
+
+
+# -- tiny MoE models -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def model_cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(model_cache_dir) -> Path:
+    """Qwen3-MoE, 2 layers, 8 experts, top-2, head_dim 32 (uint8 routing)."""
+    from lmcache_r3.demo.model import SMALL, build_tiny_moe
+
+    return build_tiny_moe(SMALL, model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_wide(model_cache_dir) -> Path:
+    """Qwen3-MoE, 4 layers, 300 experts, top-3 (uint16 routing), so nothing is tuned to one shape."""
+    from lmcache_r3.demo.model import WIDE, build_tiny_moe
+
+    return build_tiny_moe(WIDE, model_cache_dir)
+
+
+# -- vLLM scheduler harness ------------------------------------------------------------------------------------
+@pytest.fixture
+def scheduler_harness_factory(tiny_moe, lmcache_server):
+    """Build :class:`tests.support.harness.SchedulerHarness` instances against ``lmcache_server`` (or another
+    server passed as ``server=``); each is shut down after the test."""
+    from tests.support.harness import HarnessConfig, SchedulerHarness
+
+    built = []
+
+    def factory(server=None, **overrides):
+        server = server or lmcache_server
+        harness = SchedulerHarness(tiny_moe, server.settings.host, server.settings.port, HarnessConfig(**overrides))
+        built.append(harness)
+        return harness
+
+    yield factory
+    for harness in built:
+        harness.shutdown()

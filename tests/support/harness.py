@@ -1,0 +1,340 @@
+"""The real vLLM scheduler and both roles of a KV connector in one process, with fake CPU KV tensors.
+
+No model runs: the worker-side connector transfers real bytes between the KV tensors and a real LMCache MP
+server, and the harness plays the model runner (one sampled token per request once its prompt is computed).
+The KV tensors are allocated by vLLM's own ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``, so a
+*hybrid* config (FullAttention + ``MambaSpec(mamba_cache_mode="align")``) overlays both groups on the same
+bytes, as in a real engine, and its recurrent block tables contain the null block.
+
+Block pages are addressed as bytes: page ``(layer, block)`` starts at ``offset + l * layer_stride + b *
+block_stride`` of the allocation the connector actually registered (LMCache's CPU lmcache_driven path moves
+the attention tensors into POSIX shared memory at registration; the harness follows them there).
+
+The only fake here is the model: a GPU and real weights cannot run in a scheduler test.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+BLOCK_SIZE = 32
+STOCK_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+NULL_SENTINEL = 0xAB
+"""Byte written into every page of block 0 (vLLM's null block) so that any write to it is visible."""
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    kind: Literal["dense", "hybrid"] = "dense"
+    connector_module: str = STOCK_CONNECTOR_MODULE
+    connector_name: str = "LMCacheMPConnector"
+    transfer_mode: Literal["lmcache_driven", "engine_driven"] = "lmcache_driven"
+    num_attention_layers: int = 2
+    num_blocks: int = 48
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 8
+    mq_timeout_s: float = 30.0
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def attention_spec():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    # 2 heads x 32 tokens x (32 + 32) x 4 B = 16 KiB per page
+    return FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32)
+
+
+def mamba_spec():
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    # (4*256 + 3*1024) x 4 B = 16 KiB per page, equal to the attention page, as hybrid models require
+    return MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=((4, 256), (3, 1024)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="align",
+    )
+
+
+def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, config: HarnessConfig):
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    extra = {
+        "lmcache.mp.host": server_url_host,
+        "lmcache.mp.port": server_port,
+        "lmcache.mp.mq_timeout": config.mq_timeout_s,
+        "lmcache.mp.mp_transfer_mode": config.transfer_mode,
+        **config.extra_config,
+    }
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=42),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=2048,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=config.connector_name,
+            kv_connector_module_path=config.connector_module,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    if config.kind == "hybrid":
+        vllm_config.cache_config.mamba_cache_mode = "align"
+    return vllm_config
+
+
+def make_groups(config: HarnessConfig):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    n = config.num_attention_layers
+    if config.kind == "dense":
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+        return [KVCacheGroupSpec(names, attention_spec())]
+    attention = [f"model.layers.{2 * i}.self_attn.attn" for i in range(n)]
+    recurrent = [f"model.layers.{2 * i + 1}.linear_attn" for i in range(n)]
+    return [KVCacheGroupSpec(attention, attention_spec()), KVCacheGroupSpec(recurrent, mamba_spec())]
+
+
+def _ensure_distributed(vllm_config) -> None:
+    """vLLM's process group is process-global: initialise it once (world size 1, gloo)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is None:  # vLLM 0.32: module-global group, None until initialised
+        parallel_state.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='lmcache_r3-dist-')}",
+            backend="gloo",
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+class PageView:
+    """Byte pages ``(layer, block)`` of the KV allocation, by vLLM's ``KVCacheTensor`` placement."""
+
+    def __init__(self, kv_cache_config, storage: torch.UntypedStorage) -> None:
+        self.raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self.regions: dict[str, tuple[int, int, int]] = {}
+        for tensor in kv_cache_config.kv_cache_tensors:
+            group = next(g for g in kv_cache_config.kv_cache_groups if tensor.layers[0] in g.layer_names)
+            page = group.kv_cache_spec.page_size_bytes
+            for index, name in enumerate(tensor.layers):
+                self.regions[name] = (tensor.offset + index * tensor.layer_stride, tensor.block_stride, page)
+
+    def page(self, layer: str, block: int) -> torch.Tensor:
+        start, block_stride, page = self.regions[layer]
+        offset = start + block * block_stride
+        return self.raw[offset : offset + page]
+
+    def distinct_pages(self, block: int) -> list[torch.Tensor]:
+        """The pages of ``block`` with aliases (groups sharing bytes) counted once."""
+        seen: dict[tuple[int, int], torch.Tensor] = {}
+        for layer, (start, block_stride, page) in self.regions.items():
+            key = (start + block * block_stride, page)
+            seen.setdefault(key, self.page(layer, block))
+        return list(seen.values())
+
+    def blocks_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
+        return {layer: b"".join(bytes(self.page(layer, b).numpy()) for b in blocks) for layer in self.regions}
+
+
+class SchedulerHarness:
+    """Real ``Scheduler`` (scheduler-role connector inside) + a worker-role connector, stepping together."""
+
+    def __init__(self, model_dir: Path, server_host: str, server_port: int, config: HarnessConfig) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.config = config
+        self.vllm_config = make_vllm_config(model_dir, f"tcp://{server_host}", server_port, config)
+        self._config_context = set_current_vllm_config(self.vllm_config)
+        self._config_context.__enter__()
+        self.sampled_token = 7
+        self.steps = 0
+        try:
+            _ensure_distributed(self.vllm_config)
+            init_none_hash(sha256)
+            groups = make_groups(config)
+            page = groups[0].kv_cache_spec.page_size_bytes
+            per_block = page * len(groups[0].layer_names)
+            self.kv_cache_config = get_kv_cache_config_from_groups(
+                self.vllm_config, groups, available_memory=per_block * config.num_blocks
+            )
+            self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
+            layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+            self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
+            self._fill_random_with_null_sentinel()
+            connector_cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
+            self.worker = connector_cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+            self.worker.register_kv_caches(self.kv_caches)
+            first_attention = self.kv_cache_config.kv_cache_groups[0].layer_names[0]
+            self.pages = PageView(self.kv_cache_config, self.kv_caches[first_attention].untyped_storage())
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=BLOCK_SIZE,
+                log_stats=True,
+            )
+        except BaseException:
+            self._config_context.__exit__(None, None, None)
+            raise
+        self.block_tables: dict[str, tuple[list[int], ...]] = {}
+
+    # -- KV bytes --------------------------------------------------------------------------------------------
+    def _fill_random_with_null_sentinel(self) -> None:
+        storage = next(iter(self.kv_caches.values())).untyped_storage()
+        pages = PageView(self.kv_cache_config, storage)
+        generator = torch.Generator().manual_seed(1234)
+        pages.raw.copy_(torch.randint(0, 256, pages.raw.shape, dtype=torch.uint8, generator=generator))
+        for page in pages.distinct_pages(self.null_block_id):
+            page.fill_(NULL_SENTINEL)
+
+    @property
+    def null_block_id(self) -> int:
+        return 0  # vLLM's BlockPool reserves id 0 as the null block (asserted in the smoke test)
+
+    def null_block_changed_bytes(self) -> int:
+        return sum(int((page != NULL_SENTINEL).sum()) for page in self.pages.distinct_pages(self.null_block_id))
+
+    def zero_all_blocks_but_null(self) -> None:
+        for block in range(1, self.kv_cache_config.num_blocks):
+            for page in self.pages.distinct_pages(block):
+                page.zero_()
+
+    def attention_layers(self) -> list[str]:
+        return list(self.kv_cache_config.kv_cache_groups[0].layer_names)
+
+    def attention_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
+        return {
+            layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks)
+            for layer in self.attention_layers()
+        }
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4):
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, 2)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        )
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4) -> None:
+        self.scheduler.add_request(self.make_request(request_id, prompt, max_tokens))
+
+    def step(self):
+        """One engine step: schedule, run the worker connector as the model runner would, feed outputs back."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        with set_forward_context(None, self.vllm_config):
+            self.worker.handle_preemptions(meta)
+            self.worker.bind_connector_metadata(meta)
+            self.worker.start_load_kv(None)
+            self.worker.wait_for_save()
+            results = self.worker.get_transfer_results(out.finished_req_ids)
+            connector_output = KVConnectorOutput(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+            )
+            self.worker.clear_connector_metadata()
+        for new in out.scheduled_new_reqs:
+            self.block_tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
+        scheduled = list(out.num_scheduled_tokens)
+        sampled = []
+        for request_id in scheduled:
+            request = self.scheduler.requests[request_id]
+            # A token is sampled only once the whole prompt (and every earlier output) has been computed.
+            done_prefill = request.num_computed_tokens >= request.num_tokens
+            sampled.append([self.sampled_token] if done_prefill else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=scheduled,
+            req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=connector_output,
+        )
+        self.scheduler.update_from_output(out, runner_output)
+        self.steps += 1
+        return out
+
+    def run_until_idle(self, max_steps: int = 400, timeout_s: float = 60.0) -> int:
+        """Step until every request finished and the connector has released them (stores drained)."""
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while self.scheduler.has_requests() or self.scheduler.requests:
+            if steps >= max_steps or time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"scheduler still has {len(self.scheduler.requests)} requests after {steps} steps "
+                    f"({sorted(self.scheduler.requests)})"
+                )
+            out = self.step()
+            steps += 1
+            if not out.num_scheduled_tokens:
+                time.sleep(0.005)  # waiting on an async load or store; let the server progress
+        return steps
+
+    def generate(self, requests: Iterable[tuple[str, Sequence[int]]], max_tokens: int = 4) -> int:
+        for request_id, prompt in requests:
+            self.add_request(request_id, prompt, max_tokens)
+        return self.run_until_idle()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache: requests still hold blocks")
+
+    # -- teardown --------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        try:
+            self.worker.shutdown()
+        finally:
+            try:
+                if self.scheduler.connector is not None:
+                    self.scheduler.connector.shutdown()
+            finally:
+                self._config_context.__exit__(None, None, None)

@@ -1,0 +1,69 @@
+"""Managed processes: telemetry off, clear errors quoting the log, stop by pid ends the whole group."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from lmcache_r3.launch import TELEMETRY_OFF, ManagedProcess, ServiceStartError, free_port, service_env
+from tests.support.processes import RUN_MARKER_VAR, processes_with_marker
+
+
+def test_service_env_switches_telemetry_off_whatever_the_caller_had(monkeypatch):
+    monkeypatch.setenv("LMCACHE_TRACK_USAGE", "true")
+    monkeypatch.delenv("DO_NOT_TRACK", raising=False)
+    env = service_env({"EXTRA": "1"})
+    for key, value in TELEMETRY_OFF.items():
+        assert env[key] == value
+    assert env["EXTRA"] == "1"
+
+
+def test_free_port_can_be_bound_on_loopback():
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_process_that_exits_early_fails_readiness_with_its_log(tmp_path):
+    proc = ManagedProcess(
+        "failing", [sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"], tmp_path / "f.log"
+    )
+    with pytest.raises(ServiceStartError) as err:
+        proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+    message = str(err.value)
+    assert "exited with code 3" in message
+    assert "bad flag --foo" in message
+
+
+def test_readiness_timeout_names_the_probe_and_stops_waiting(tmp_path):
+    proc = ManagedProcess("sleeper", ["sleep", "30"], tmp_path / "s.log")
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceStartError, match="did not reach 'port open' within 1 s"):
+            proc.wait_ready(lambda: False, timeout_s=1, what="port open")
+        assert time.monotonic() - started < 10
+    finally:
+        proc.stop()
+
+
+def test_stop_by_pid_also_ends_grandchildren_that_ignore_sigterm(tmp_path):
+    marker = os.urandom(8).hex()
+    script = (
+        "import subprocess, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen(['sleep', '60'])\n"
+        "time.sleep(60)\n"
+    )
+    proc = ManagedProcess(
+        "stubborn", [sys.executable, "-c", script], tmp_path / "p.log", env={RUN_MARKER_VAR: marker}
+    )
+    proc.wait_ready(lambda: len(processes_with_marker(marker)) == 2, timeout_s=20, what="child started")
+    proc.stop(timeout_s=1)
+    assert not proc.alive()
+    deadline = time.monotonic() + 5
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with_marker(marker) == {}

@@ -1,0 +1,72 @@
+"""The stock `lmcache server` command line built from typed settings."""
+
+import json
+
+import pytest
+
+from lmcache_r3.mp.server_process import ServerSettings, server_argv
+
+
+def flag_value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (
+            ServerSettings(port=5555, http_port=8080),
+            {"--port": "5555", "--chunk-size": "256", "--host": "127.0.0.1"},
+        ),
+        (
+            ServerSettings(port=1, http_port=2, chunk_size=64, l1_size_gb=2, eviction_policy="ARC"),
+            {
+                "--chunk-size": "64",
+                "--l1-size-gb": "2.0",
+                "--eviction-policy": "ARC",
+                "--http-host": "127.0.0.1",
+            },
+        ),
+        (
+            ServerSettings(port=1, http_port=2, transfer_mode="lmcache_driven"),
+            {"--supported-transfer-mode": "lmcache_driven"},
+        ),
+    ],
+)
+def test_settings_become_flags(settings, expected):
+    argv = server_argv(settings, program="lmcache")
+    assert argv[:2] == ["lmcache", "server"]
+    for flag, value in expected.items():
+        assert flag_value(argv, flag) == value
+
+
+def test_plugins_are_passed_as_compact_json_in_order():
+    modules = ({"module_path": "a.b", "config": {"x": 1}},)
+    adapters = ({"type": "fs", "base_path": "/tmp/l2"}, {"type": "plugin", "module_path": "c"})
+    argv = server_argv(
+        ServerSettings(
+            port=1,
+            http_port=2,
+            server_modules=modules,
+            l2_adapters=adapters,
+            extra_args=("--separate-object-groups",),
+        ),
+        program="lmcache",
+    )
+    module_args = [argv[i + 1] for i, a in enumerate(argv) if a == "--server-module"]
+    adapter_args = [argv[i + 1] for i, a in enumerate(argv) if a == "--l2-adapter"]
+    assert [json.loads(a) for a in module_args] == list(modules)
+    assert [json.loads(a) for a in adapter_args] == list(adapters)
+    assert argv[-1] == "--separate-object-groups"
+
+
+def test_connector_extra_config_points_at_the_server():
+    from lmcache_r3.mp.server_process import LMCacheServer
+
+    server = LMCacheServer(ServerSettings(port=5999, http_port=2), process=None)
+    extra = server.connector_extra_config(mq_timeout_s=12)
+    assert extra == {
+        "lmcache.mp.host": "tcp://127.0.0.1",
+        "lmcache.mp.port": 5999,
+        "lmcache.mp.mq_timeout": 12,
+    }
