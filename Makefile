@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lmcache_r3-setup
 EXTRAS ?= cpu,mooncake,test
+# pip, minus the noise of find-links entries that do not exist on this machine; keeps pip's exit status
+PIP := $(PY) -m pip
+QUIET_PIP = 2>&1 | grep -v "is ignored: it is neither a file nor a directory"; exit $${PIPESTATUS[0]}
 
 # Every process we start has telemetry off.
 export LMCACHE_TRACK_USAGE := false
@@ -18,12 +21,12 @@ setup: $(STAMP) system-libs
 # The venv is rebuilt only when pyproject.toml changes; a second `make setup` does nothing slow.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PIP) install --quiet --upgrade pip $(QUIET_PIP)
 	@# torch first, so nothing pulls a CUDA build of it
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PIP) install --quiet torch==2.13.0 $(QUIET_PIP)
+	$(PIP) install --quiet -e '.[$(EXTRAS)]' $(QUIET_PIP)
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec $(QUIET_PIP)
 	@touch $@
 
 .PHONY: system-libs
@@ -51,3 +54,12 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# R3 artifact core figures against memcpy; `make bench BENCH_ARGS=--write` also updates docs/benchmarks.md.
+bench: setup
+	$(PY) bench/bench_artifacts.py $(BENCH_ARGS)
+
+# For a machine with an NVIDIA GPU: the gather/narrow CUDA kernel (CuPy RawModule) against the numpy reference,
+# and its throughput. Exits 2 with a message when no CUDA device is visible.
+gpu-check: setup
+	$(PY) bench/bench_artifacts.py --gpu-check
