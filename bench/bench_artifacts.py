@@ -1,0 +1,348 @@
+"""Benchmark of the R3 artifact core against memcpy of the same bytes, measured in the same run.
+
+    python bench/bench_artifacts.py            # print the figures
+    python bench/bench_artifacts.py --write    # and replace the "## R3 artifact core" section of docs/benchmarks.md
+    python bench/bench_artifacts.py --gpu-check   # CUDA kernel vs the numpy reference, and its throughput
+    python bench/bench_artifacts.py --checksums   # the checksum candidates importable here, against memcpy
+
+Every figure is the median of repeated runs, reported as a ratio to a memcpy of the same bytes timed the same way:
+for throughput, ``memcpy time / operation time`` (1.0 = as fast as memcpy); for materialize, ``operation time /
+memcpy time`` (1.0 = as fast as one memcpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import mmap
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from lmcache_r3.artifacts import (
+    GatherNarrowError,
+    R3Profile,
+    RequestRows,
+    cuda_available,
+    decode_chunk,
+    decode_run,
+    encode_chunk,
+    encode_header,
+    encode_run,
+    gather_narrow_reference,
+)
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+SECTION = "## R3 artifact core"
+PROFILE = R3Profile(48, 8, 128)  # 384 B per token, uint8
+CHUNK_TOKENS = 256
+REQUEST_TOKENS = 32768
+
+
+def median_seconds(operation: Callable[[], object], inner: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean time of ``inner`` back-to-back calls."""
+    operation()
+    samples = []
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                operation()
+            samples.append((time.perf_counter() - start) / inner)
+    finally:
+        gc.enable()
+    return statistics.median(samples)
+
+
+def fastest_memcpy(src: np.ndarray, inner: int, repeats: int) -> float:
+    """The faster of copying ``src`` into a new buffer and into a preallocated one (the stricter baseline)."""
+    dst = np.empty_like(src)
+    return min(
+        median_seconds(src.tobytes, inner, repeats),
+        median_seconds(lambda: np.copyto(dst, src), inner, repeats),
+    )
+
+
+def codec_rows(quick: bool) -> list[str]:
+    """Encode + decode against memcpy: one cache-hot chunk, a whole request as one run, one large chunk."""
+    rng = np.random.default_rng(0)
+    repeats = 5 if quick else 15
+    request = rng.integers(0, PROFILE.num_experts, (REQUEST_TOKENS, *PROFILE.row_shape)).astype(PROFILE.dtype)
+    hot = request[:CHUNK_TOKENS]
+    hot_object = encode_chunk(PROFILE, 0, hot)
+    run = encode_run(PROFILE, 0, request, CHUNK_TOKENS)
+    big = request[:4096]
+    big_object = encode_chunk(PROFILE, 0, big)
+    assert len(decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks) == REQUEST_TOKENS // CHUNK_TOKENS
+
+    def headers_of_run() -> None:
+        for start in range(0, REQUEST_TOKENS, CHUNK_TOKENS):
+            encode_header(PROFILE, start, request[start : start + CHUNK_TOKENS])
+
+    cases = [
+        (
+            f"one {CHUNK_TOKENS}-token chunk ({hot.nbytes >> 10} KiB), cache-hot: `encode_chunk` + `decode_chunk`",
+            hot, 2000,
+            lambda: encode_chunk(PROFILE, 0, hot),
+            lambda: decode_chunk(hot_object, PROFILE),
+            lambda: encode_header(PROFILE, 0, hot),
+        ),
+        (
+            f"{REQUEST_TOKENS // 1024}k-token request ({request.nbytes >> 20} MiB) as one run of "
+            f"{REQUEST_TOKENS // CHUNK_TOKENS} chunks: `encode_run` + `decode_run`",
+            request, 10,
+            lambda: encode_run(PROFILE, 0, request, CHUNK_TOKENS),
+            lambda: decode_run(run, PROFILE, 0, CHUNK_TOKENS),
+            headers_of_run,
+        ),
+        (
+            f"one 4096-token chunk ({big.nbytes / 2**20:.1f} MiB): `encode_chunk` + `decode_chunk`",
+            big, 100,
+            lambda: encode_chunk(PROFILE, 0, big),
+            lambda: decode_chunk(big_object, PROFILE),
+            lambda: encode_header(PROFILE, 0, big),
+        ),
+    ]  # fmt: skip
+    lines = []
+    for label, src, inner, encode, decode, header_only in cases:
+        memcpy = fastest_memcpy(src, inner, repeats)
+        encoded = median_seconds(encode, inner, repeats)
+        decoded = median_seconds(decode, inner, repeats)
+        header = median_seconds(header_only, inner, repeats)
+        gbps = src.nbytes / 1e9
+        lines.append(
+            f"| {label} | {gbps / memcpy:.1f} GB/s | {gbps / (encoded + decoded):.1f} GB/s | "
+            f"**{memcpy / (encoded + decoded):.2f}x** | {memcpy / (header + decoded):.2f}x |"
+        )
+    hash_ratio = fastest_memcpy(hot, 2000, repeats) / median_seconds(
+        lambda: xxhash.xxh3_64_intdigest(hot), 2000, repeats
+    )
+    lines.append(f"| XXH3-64 of one {hot.nbytes >> 10} KiB chunk (for reference) | | | {hash_ratio:.2f}x | |")
+    return lines
+
+
+def fresh_memcpy_seconds(src: np.ndarray, repeats: int) -> float:
+    """Copy into memory just mapped from the OS, so every page faults once (what a new allocation may cost)."""
+
+    def copy() -> None:
+        with mmap.mmap(-1, src.nbytes) as region:
+            dst = np.frombuffer(region, dtype=src.dtype).reshape(src.shape)
+            np.copyto(dst, src)
+            del dst
+
+    return median_seconds(copy, 3, repeats)
+
+
+def materialize_rows(quick: bool) -> list[str]:
+    """Assemble a 32k-token R3 from 256-token chunks and materialize it, against one memcpy of the result."""
+    rng = np.random.default_rng(1)
+    repeats = 5 if quick else 11
+    rows = rng.integers(0, PROFILE.num_experts, (REQUEST_TOKENS, *PROFILE.row_shape)).astype(PROFILE.dtype)
+    run = encode_run(PROFILE, 0, rows, CHUNK_TOKENS)
+    decoded = decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks
+
+    def assemble(chunks: list, capacity: int = 0) -> np.ndarray:
+        request = RequestRows(PROFILE, CHUNK_TOKENS, capacity_tokens=capacity)
+        for chunk in chunks:
+            request.write(chunk.token_start, chunk.rows)
+        return request.materialize(REQUEST_TOKENS + 1)
+
+    assert np.array_equal(assemble(decoded), rows)
+    warm = np.empty_like(rows)
+    memcpy = median_seconds(lambda: np.copyto(warm, rows), 3, repeats)
+    fresh = fresh_memcpy_seconds(rows, repeats)
+    cases = [
+        ("one memcpy of the result into fresh memory (page faults included)", fresh),
+        (
+            f"write {len(decoded)} decoded chunks + materialize, `capacity_tokens` given",
+            median_seconds(lambda: assemble(decoded, REQUEST_TOKENS), 3, repeats),
+        ),
+        (
+            f"write {len(decoded)} decoded chunks + materialize, storage grown by doubling",
+            median_seconds(lambda: assemble(decoded), 3, repeats),
+        ),
+        (
+            "`decode_run` (checksums verified) + write + materialize, `capacity_tokens` given",
+            median_seconds(
+                lambda: assemble(decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks, REQUEST_TOKENS), 3, repeats
+            ),
+        ),
+    ]
+    lines = [
+        f"| one memcpy of the result ({rows.nbytes >> 20} MiB) into a warm array | {memcpy * 1e3:.2f} ms | 1.00x |"
+    ]
+    lines += [f"| {label} | {seconds * 1e3:.2f} ms | **{seconds / memcpy:.2f}x** |" for label, seconds in cases]
+    return lines
+
+
+def machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor() or "unknown CPU",
+    )
+    return (
+        f"nproc {os.cpu_count()} ({model}), Python {platform.python_version()}, numpy {np.__version__}, "
+        f"xxhash {xxhash.VERSION}"
+    )
+
+
+def report(quick: bool) -> str:
+    command = "python bench/bench_artifacts.py " + " ".join(sys.argv[1:])
+    out = [
+        SECTION,
+        "",
+        f"`{command.strip()}` on {machine()}, {datetime.date.today().isoformat()}.",
+        f"Profile {PROFILE.describe()}; {CHUNK_TOKENS}-token chunks. Each figure is a median of repeated runs;",
+        "each ratio is against a memcpy of the same bytes timed in the same run.",
+        "",
+        "Encode + decode, goal at least 0.5x memcpy. memcpy is the faster of copying into a new buffer and into",
+        "a preallocated one. *header-only* replaces the encode by `encode_header` (checksum + header, no payload",
+        "copy), i.e. the codec's own cost when the writer's copy into its message or tier buffer is the only one.",
+        "",
+        "| case | memcpy | encode + decode | ratio | header-only encode + decode |",
+        "| --- | --- | --- | --- | --- |",
+        *codec_rows(quick),
+        "",
+        f"Materialize a {REQUEST_TOKENS // 1024}k-token R3 from {CHUNK_TOKENS}-token chunks, goal within 3x of one "
+        "memcpy of the result.",
+        "",
+        "| case | time | vs memcpy |",
+        "| --- | --- | --- |",
+        *materialize_rows(quick),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def write_section(text: str) -> None:
+    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(current):
+        updated = pattern.sub(lambda _: text + "\n", current, count=1)
+    else:
+        updated = current.rstrip("\n") + "\n\n" + text
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    DOCS.write_text(updated.rstrip("\n") + "\n")
+
+
+def checksum_report() -> str:
+    """Throughput of the checksum candidates that are importable here, on one 96 KiB chunk, against memcpy."""
+    import hashlib
+    import zlib
+
+    chunk = np.random.default_rng(3).integers(0, 256, CHUNK_TOKENS * PROFILE.bytes_per_token, dtype=np.uint8)
+    data = chunk.tobytes()
+    candidates: list[tuple[str, Callable[[], object]]] = [
+        ("xxhash XXH3-64", lambda: xxhash.xxh3_64_intdigest(data)),
+        ("xxhash XXH64", lambda: xxhash.xxh64_intdigest(data)),
+        ("zlib CRC-32 (stdlib)", lambda: zlib.crc32(data)),
+        ("hashlib BLAKE2b-64 (stdlib)", lambda: hashlib.blake2b(data, digest_size=8).digest()),
+        ("hashlib SHA-256 (stdlib)", lambda: hashlib.sha256(data).digest()),
+    ]
+    optional = {"google_crc32c": ("google-crc32c CRC-32C", "value"), "blake3": ("blake3 BLAKE3", "blake3")}
+    for module_name, (label, attribute) in optional.items():
+        try:
+            module = __import__(module_name)
+        except ImportError:
+            continue
+        function = getattr(module, attribute)
+        candidates.append((label, lambda f=function: f(data)))
+    memcpy = fastest_memcpy(chunk, 2000, 9)
+    lines = [f"memcpy of {len(data) >> 10} KiB: {len(data) / memcpy / 1e9:.1f} GB/s", ""]
+    for label, function in candidates:
+        seconds = median_seconds(function, 200, 9)
+        lines.append(f"{label:30s} {len(data) / seconds / 1e9:7.1f} GB/s  {memcpy / seconds:5.2f}x memcpy")
+    return "\n".join(lines)
+
+
+def gpu_check() -> int:
+    if not cuda_available():
+        print(
+            "gpu-check: no CUDA device is visible to CuPy (no GPU, no driver, or CuPy missing); "
+            "run this on a machine with an NVIDIA GPU and cupy-cuda13x installed.",
+            file=sys.stderr,
+        )
+        return 2
+    import cupy
+
+    from lmcache_r3.artifacts.gather import CudaGatherNarrow
+
+    kernel = CudaGatherNarrow()
+    rng = np.random.default_rng(2)
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    for profile in (PROFILE, R3Profile(48, 8, 384), R3Profile(61, 8, 256), R3Profile(5, 3, 60)):
+        captured = rng.integers(0, profile.num_experts, (8192, *profile.row_shape), dtype=np.int32)
+        order = rng.permutation(8192)[:6000]
+        got = cupy.asnumpy(kernel(cupy.asarray(captured), cupy.asarray(order), profile))
+        expected = gather_narrow_reference(captured, order, profile)
+        status = "OK" if np.array_equal(got, expected) else "MISMATCH"
+        print(f"{status:8s} {profile.describe()}")
+        if status != "OK":
+            return 1
+    bad = rng.integers(0, 60, (16, 5, 3), dtype=np.int32)
+    bad[7, 2, 1] = 60
+    try:
+        kernel(cupy.asarray(bad), cupy.arange(16), R3Profile(5, 3, 60))
+        print("MISMATCH an expert id outside the profile was not refused")
+        return 1
+    except GatherNarrowError:
+        print("OK       an expert id outside the profile is refused")
+    for num_rows in (8192, 65536):
+        captured = cupy.asarray(rng.integers(0, 128, (num_rows, *PROFILE.row_shape), dtype=np.int32))
+        order = cupy.asarray(rng.permutation(num_rows))
+        gather = _device_seconds(lambda c=captured, o=order: kernel(c, o, PROFILE, check=False))
+        copy = _device_seconds(captured.copy)
+        moved = captured.nbytes + captured.nbytes // 4  # int32 read + uint8 written
+        print(
+            f"{num_rows} rows x {PROFILE.num_layers}x{PROFILE.top_k}: gather+narrow {gather * 1e6:.1f} us "
+            f"({moved / gather / 1e9:.0f} GB/s moved), device copy of the int32 input {copy * 1e6:.1f} us "
+            f"({2 * captured.nbytes / copy / 1e9:.0f} GB/s moved)"
+        )
+    return 0
+
+
+def _device_seconds(operation: Callable[[], object], reps: int = 50) -> float:
+    """Mean device time of ``operation`` over ``reps`` launches, timed with CUDA events."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    operation()
+    start.record()
+    for _ in range(reps):
+        operation()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {DOCS.name}")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, noisier figures)")
+    parser.add_argument("--gpu-check", action="store_true", help="check the CUDA kernel against numpy on a GPU")
+    parser.add_argument("--checksums", action="store_true", help="compare the checksum candidates importable here")
+    args = parser.parse_args()
+    if args.gpu_check:
+        return gpu_check()
+    if args.checksums:
+        print(checksum_report())
+        return 0
+    text = report(args.quick)
+    print(text)
+    if args.write:
+        write_section(text)
+        print(f"updated {DOCS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The slot mirror: R3 rows beside each physical KV slot, for vLLM's own prefix-cache hits.
+
+vLLM's KV cache is a pool of ``num_blocks`` blocks of ``block_size`` token *slots*; slot ``b * block_size +
+i`` holds the KV of one token. When a new request hits vLLM's own prefix cache it reuses those blocks without
+running the tokens again, so their routing must come from wherever the KV came from: the mirror keeps one R3
+row per slot, written in the same step that writes the slot's KV, and read through the block table of a
+request that holds the blocks.
+
+Two rules make a read exact:
+
+* every write of KV into a slot is matched by a write of its row (computed in a step, or loaded with an
+  external KV hit), so a slot's row always belongs to the KV in that slot;
+* reads go only through blocks a live request holds: vLLM never reuses a held block, so its slots cannot
+  change under the read.
+
+For example, with ``block_size=16`` a request holding blocks ``[7, 3]`` reads positions ``[0, 20)`` from slots
+``112..127`` then ``48..51``.
+
+All operations are vectorized (one numpy gather or scatter per call). The mirror is sized to the KV pool:
+``num_blocks * block_size * bytes_per_token`` bytes, allocated zeroed so the OS commits pages only when
+written. A slot never written reads as an error, not as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lmcache_r3.artifacts.profile import R3Profile
+
+
+class SlotMirrorError(ValueError):
+    """A write or read the mirror refuses; the message names the slot, block or position."""
+
+
+class SlotMirror:
+    """One R3 row per physical KV slot (see the module docstring)."""
+
+    def __init__(self, profile: R3Profile, num_blocks: int, block_size: int) -> None:
+        """Args:
+        profile: the row profile.
+        num_blocks: blocks in the KV pool (``num_gpu_blocks`` of the KV cache config).
+        block_size: token slots per block.
+        """
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int from the KV cache config, got {value!r}")
+        self.profile = profile
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self._rows = np.zeros((self.num_slots, *profile.row_shape), dtype=profile.dtype)
+        self._written = np.zeros(self.num_slots, dtype=bool)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved for rows and their written flags (the OS commits pages as they are touched)."""
+        return self._rows.nbytes + self._written.nbytes
+
+    def write(self, slot_ids: np.ndarray | Sequence[int], rows: np.ndarray) -> None:
+        """Store one step's rows at their slots.
+
+        Args:
+            slot_ids: ``[n]`` slot of each row (the step's ``slot_mapping``); negative ids (vLLM's padding
+                slot, -1) are skipped.
+            rows: ``[n, num_layers, top_k]`` in the profile dtype.
+
+        Raises:
+            SlotMirrorError: length mismatch, wrong dtype or shape, or a slot id past the pool.
+        """
+        slots = np.asarray(slot_ids)
+        if slots.ndim != 1 or slots.dtype.kind not in "iu":
+            raise SlotMirrorError(f"slot_ids must be a 1-D integer array, got {slots.dtype} of shape {slots.shape}")
+        if rows.dtype != self.profile.dtype or rows.shape != (slots.shape[0], *self.profile.row_shape):
+            raise SlotMirrorError(
+                f"rows must be {self.profile.dtype} of shape [{slots.shape[0]}, {self.profile.num_layers}, "
+                f"{self.profile.top_k}] (one per slot id), got {rows.dtype} of shape {rows.shape}"
+            )
+        if slots.size and slots.max() >= self.num_slots:
+            raise SlotMirrorError(
+                f"slot id {int(slots.max())} is past the pool of {self.num_slots} slots "
+                f"({self.num_blocks} blocks x {self.block_size}); "
+                f"the mirror must be built from the same KV cache config as the engine"
+            )
+        real = slots >= 0
+        if not real.all():
+            slots, rows = slots[real], rows[real]
+        self._rows[slots] = rows
+        self._written[slots] = True
+
+    def slots_for(self, block_ids: np.ndarray | Sequence[int], start: int, end: int) -> np.ndarray:
+        """The slots of positions ``[start, end)`` of a request whose block table is ``block_ids``.
+
+        Raises:
+            SlotMirrorError: negative or inverted range, a block table too short, or an invalid block id.
+        """
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise SlotMirrorError(f"positions must satisfy 0 <= start <= end, got [{start!r}, {end!r})")
+        if blocks.ndim != 1 or blocks.shape[0] * self.block_size < end:
+            raise SlotMirrorError(
+                f"block table of {blocks.size} blocks x {self.block_size} covers "
+                f"{blocks.size * self.block_size} positions, fewer than the {end} needed for [{start}, {end})"
+            )
+        positions = np.arange(start, end, dtype=np.int64)
+        table = blocks[positions // self.block_size]
+        if table.size and (table.min() < 0 or table.max() >= self.num_blocks):
+            bad = table[(table < 0) | (table >= self.num_blocks)][0]
+            raise SlotMirrorError(f"block id {int(bad)} is outside the pool of {self.num_blocks} blocks")
+        return table * self.block_size + positions % self.block_size
+
+    def read(self, block_ids: np.ndarray | Sequence[int], start: int, end: int) -> np.ndarray:
+        """Rows of positions ``[start, end)`` of a request that holds the blocks ``block_ids``.
+
+        Args:
+            block_ids: the request's block table for the attention group, position order.
+            start: first position to read.
+            end: position after the last one to read.
+
+        Returns:
+            A new ``[end - start, num_layers, top_k]`` array.
+
+        Raises:
+            SlotMirrorError: invalid positions or blocks, or a slot that was never written (its KV did not
+                come through a path that also wrote its row).
+        """
+        slots = self.slots_for(block_ids, start, end)
+        written = self._written[slots]
+        if not written.all():
+            first = int(np.argmin(written))
+            raise SlotMirrorError(
+                f"no R3 row was written for position {start + first} "
+                f"(block {int(slots[first]) // self.block_size}, slot {int(slots[first])}); "
+                f"every KV write into a slot must also write its row to the mirror"
+            )
+        return self._rows[slots]
+
+    def forget_blocks(self, block_ids: np.ndarray | Sequence[int]) -> None:
+        """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise SlotMirrorError(f"block ids must be in [0, {self.num_blocks}), got {blocks.tolist()}")
+        slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+        self._written[slots] = False
