@@ -1,31 +1,114 @@
 """``lmcache-r3``: the project's command line.
 
-lmcache-r3 demo     run the main job end to end on this machine (LMCache MP server + vLLM CPU)
+lmcache-r3 server [--config PATH] [--print-command]   run the LMCache MP server the config file describes
+lmcache-r3 inspect [--config PATH | --url URL]        the running server's status, with the R3 counters
+lmcache-r3 demo                                       the main job end to end on this machine
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
 import sys
+import urllib.error
+import urllib.request
+
+from lmcache_r3.config import CONFIG_ENV_VAR, ConfigError, load_config
+from lmcache_r3.launch import service_env
+
+
+def _server(args: argparse.Namespace) -> int:
+    from lmcache_r3.mp.server_process import server_argv, settings_from_config
+
+    config = load_config(args.config)
+    argv = server_argv(settings_from_config(config))
+    if args.print_command:
+        print(shlex.join(argv))
+        return 0
+    env = service_env({"LMCACHE_DISABLE_BANNER": "1"})
+    os.execve(argv[0], argv, env)
+    return 1  # not reached
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    if args.url:
+        base = args.url.rstrip("/")
+    else:
+        server = load_config(args.config).server
+        base = f"http://{server.host}:{server.http_port}"
+    try:
+        with urllib.request.urlopen(f"{base}/status", timeout=args.timeout) as resp:
+            status = json.load(resp)
+    except (urllib.error.URLError, OSError) as err:
+        print(
+            f"lmcache-r3 inspect: no LMCache server answers at {base}/status ({err}); is it running?", file=sys.stderr
+        )
+        return 1
+    print(json.dumps(summarize_status(status), indent=2, sort_keys=True))
+    return 0
+
+
+def summarize_status(status: dict) -> dict:
+    """The parts of ``/status`` an operator of lmcache_r3 looks at: health, L1 use and locks, R3 counters."""
+    l1 = status.get("storage_manager", {}).get("l1_managers", {}).get("_default", {})
+    keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
+    summary = {
+        "healthy": status.get("is_healthy", status.get("healthy")),
+        "l1": {key: l1.get(key) for key in keys},
+        "r3": _find_r3_counters(status),
+    }
+    return summary
+
+
+def _find_r3_counters(status: dict) -> dict | None:
+    """The R3 module's ``report_status`` block, wherever the server nests it."""
+    if isinstance(status.get("lmcache_r3"), dict):
+        return status["lmcache_r3"]
+    for value in status.values():
+        if isinstance(value, dict):
+            found = _find_r3_counters(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _demo(rest: list[str]) -> int:
+    from lmcache_r3.demo.run import main as demo_main
+
+    return demo_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmcache-r3", description="Routed experts and KV cache in LMCache.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    server = commands.add_parser("server", help="run the LMCache MP server described by the config file")
+    server.add_argument("--config", default=None, help=f"yaml file (default: ${CONFIG_ENV_VAR})")
+    server.add_argument("--print-command", action="store_true", help="print the command line instead of running it")
+    server.set_defaults(handler=_server)
+
+    inspect = commands.add_parser("inspect", help="the running server's status, with the R3 counters")
+    inspect.add_argument("--config", default=None, help=f"yaml file (default: ${CONFIG_ENV_VAR})")
+    inspect.add_argument("--url", default=None, help="HTTP address of the server, e.g. http://127.0.0.1:8080")
+    inspect.add_argument("--timeout", type=float, default=5.0)
+    inspect.set_defaults(handler=_inspect)
+
+    commands.add_parser("demo", help="run the main job end to end (LMCache MP server + vLLM on CPU)", add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="lmcache-r3", description="Routed experts and KV cache in LMCache.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands.add_parser(
-        "demo", help="run the main job end to end (LMCache MP server + vLLM on CPU)", add_help=False
-    )
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from lmcache_r3.demo.run import main as demo_main
-
-        return demo_main(rest)
-    parser.error(f"unknown command '{command}'; choose from: demo")
-    return 2
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

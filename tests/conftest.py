@@ -80,6 +80,27 @@ def lmcache_server(lmcache_server_factory):
     return lmcache_server_factory(chunk_size=64)
 
 
+@pytest.fixture(scope="session")
+def r3_server(lmcache_server_factory):
+    """A server with the R3 chunk type loaded (namespace ``##r3``), chunk size 64, no L2 tier."""
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    return lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),))
+
+
+@pytest.fixture(scope="session")
+def r3_server_with_fs_tier(lmcache_server_factory, tmp_path_factory):
+    """Like ``r3_server``, with a stock LMCache fs L2 tier below L1."""
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    l2 = tmp_path_factory.mktemp("fs-l2")
+    return lmcache_server_factory(
+        chunk_size=64,
+        server_modules=(r3_server_module_spec("##r3"),),
+        l2_adapters=({"type": "fs", "base_path": str(l2)},),
+    )
+
+
 # -- Mooncake -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def mooncake_cluster(tmp_path_factory):

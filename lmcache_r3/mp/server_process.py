@@ -15,6 +15,9 @@ from typing import Any
 
 from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port
 
+#: Where LMCache finds the R3 chunk type (``--server-module``).
+R3_SERVER_MODULE = "lmcache_r3.mp.server_module"
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -168,3 +171,27 @@ def loopback_settings(**overrides: Any) -> ServerSettings:
     ports: dict[str, Any] = {"port": free_port(), "http_port": free_port()}
     ports.update(overrides)
     return ServerSettings(**ports)
+
+
+def r3_server_module_spec(namespace: str) -> dict[str, Any]:
+    """The ``--server-module`` JSON object that loads the R3 chunk type with ``namespace``."""
+    return {"module_path": R3_SERVER_MODULE, "factory_name": "build_server_modules", "config": {"namespace": namespace}}
+
+
+def settings_from_config(config) -> ServerSettings:
+    """:class:`ServerSettings` for the ``server``, ``tiers`` and ``r3`` sections of a ``Config``."""
+    server = config.server
+    modules = (r3_server_module_spec(config.r3.namespace),) if config.r3.enabled else ()
+    return ServerSettings(
+        port=server.port,
+        http_port=server.http_port,
+        host=server.host,
+        chunk_size=server.chunk_size,
+        l1_size_gb=server.l1_size_gb,
+        eviction_policy=server.eviction_policy,
+        max_workers=server.max_workers,
+        transfer_mode=server.transfer_mode,
+        server_modules=modules,
+        l2_adapters=tuple(dict(tier) for tier in config.tiers),
+        extra_args=tuple(server.extra_args),
+    )

@@ -57,9 +57,7 @@ def test_stop_by_pid_also_ends_grandchildren_that_ignore_sigterm(tmp_path):
         "subprocess.Popen(['sleep', '60'])\n"
         "time.sleep(60)\n"
     )
-    proc = ManagedProcess(
-        "stubborn", [sys.executable, "-c", script], tmp_path / "p.log", env={RUN_MARKER_VAR: marker}
-    )
+    proc = ManagedProcess("stubborn", [sys.executable, "-c", script], tmp_path / "p.log", env={RUN_MARKER_VAR: marker})
     proc.wait_ready(lambda: len(processes_with_marker(marker)) == 2, timeout_s=20, what="child started")
     proc.stop(timeout_s=1)
     assert not proc.alive()

@@ -1,0 +1,176 @@
+"""The ``LMCACHE_CONFIG_FILE`` of an lmcache_r3 deployment: one yaml file for the server, its tiers, routed
+experts and the vLLM connector.
+
+``lmcache-r3 server`` turns the ``server``, ``tiers`` and ``r3`` sections into a stock ``lmcache server`` command
+line; the connector reads ``connector`` and ``r3`` from the same file. Every key is typed; an unknown key, a
+wrong type or an impossible value fails at load time with the key's path and what is allowed, e.g.::
+
+    lmcache_r3 config /etc/lmcache.yaml: server.chunk_size: expected an integer >= 32, got 0
+
+A complete example lives in ``examples/lmcache_r3.yaml``; docs/config.md documents every key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+CONFIG_ENV_VAR = "LMCACHE_CONFIG_FILE"
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file, the key path and the fix."""
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The ``lmcache server`` process."""
+
+    host: str = "127.0.0.1"
+    """Address the request and HTTP ports bind to."""
+    port: Port = 5555
+    """ZMQ request port; the connector connects here."""
+    http_port: Port = 8080
+    """HTTP port of ``/status`` and ``/cache/clear``."""
+    chunk_size: Annotated[int, msgspec.Meta(ge=32)] = 256
+    """Tokens per LMCache chunk (and per R3 object); a multiple of vLLM's block size."""
+    l1_size_gb: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Size of the in-memory (L1) cache; allocated up front."""
+    eviction_policy: Literal["LRU", "ARC", "IsolatedLRU", "noop"] = "LRU"
+    max_workers: Annotated[int, msgspec.Meta(ge=2, le=256)] = 2
+    """Worker threads; the R3 module shares the CPU pool with lookups, so at least 2."""
+    transfer_mode: Literal["auto", "lmcache_driven", "engine_driven"] = "auto"
+    """KV transfer modes the server accepts; ``auto`` accepts both (CPU workers ask for engine_driven)."""
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    """Further ``lmcache server`` flags, passed through unchanged (e.g. ``--separate-object-groups``)."""
+
+    def __post_init__(self) -> None:
+        if self.port == self.http_port:
+            raise ValueError(f"port and http_port are both {self.port}; give them different ports")
+        if not self.host:
+            raise ValueError("host is empty; use 127.0.0.1 for a single-host deployment")
+
+
+class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Routed experts stored next to the KV."""
+
+    enabled: bool = True
+    """Store and return routed experts; off means a plain KV cache (the connector behaves as stock)."""
+    namespace: str = "##r3"
+    """Suffix appended to the model name of R3 objects, so KV lookups and KV events never see them."""
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "@/\\\0"):
+            raise ValueError(
+                f"namespace {self.namespace!r} must be non-empty and contain none of @ / \\ NUL "
+                "(LMCache object keys reserve them)"
+            )
+
+
+class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The vLLM side (``LMCacheMPConnector`` from ``lmcache_r3.mp.connector``)."""
+
+    server_url: str | None = None
+    """``tcp://host:port`` of the server; default: ``server.host`` and ``server.port`` of this file."""
+    mq_timeout_s: PositiveSeconds = 30.0
+    """Bound on any one KV request to the server before the connector gives up and recomputes."""
+    r3_timeout_s: PositiveSeconds = 5.0
+    """Bound on an R3 lookup, store or fetch; past it the R3 hit counts as a miss."""
+
+    def __post_init__(self) -> None:
+        if self.server_url is not None and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", self.server_url):
+            raise ValueError(f"server_url {self.server_url!r} must look like tcp://127.0.0.1:5555")
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One deployment: server, storage tiers, routed experts, connector."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    tiers: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """LMCache L2 adapters, in order; each is the JSON object of one ``--l2-adapter`` flag (a ``type`` key first)."""
+    r3: R3Config = msgspec.field(default_factory=R3Config)
+    connector: ConnectorConfig = msgspec.field(default_factory=ConnectorConfig)
+
+    def __post_init__(self) -> None:
+        for index, tier in enumerate(self.tiers):
+            kind = tier.get("type")
+            if not isinstance(kind, str) or not kind:
+                raise ValueError(
+                    f"tiers[{index}] has no 'type'; each tier needs one, e.g. {{type: fs, base_path: /data/l2}}"
+                )
+
+    @property
+    def server_url(self) -> str:
+        return self.connector.server_url or f"tcp://{self.server.host}:{self.server.port}"
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "": Config,
+    "server": ServerConfig,
+    "r3": R3Config,
+    "connector": ConnectorConfig,
+}
+
+
+def parse_config(document: Any, source: str = "<config>") -> Config:
+    """Validate an already-parsed yaml document.
+
+    Raises:
+        ConfigError: naming ``source``, the key path and what is allowed.
+    """
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"lmcache_r3 config {source}: the top level must be a mapping, got {type(document).__name__}")
+    try:
+        return msgspec.convert(document, Config)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"lmcache_r3 config {source}: {_explain(str(err))}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read the config from ``path``, else from ``$LMCACHE_CONFIG_FILE``, else the defaults.
+
+    Raises:
+        ConfigError: unreadable file, invalid yaml, or an invalid key (see :func:`parse_config`).
+    """
+    if path is None:
+        path = os.environ.get(CONFIG_ENV_VAR) or None
+    if path is None:
+        return Config()
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise ConfigError(
+            f"lmcache_r3 config {file}: cannot read it ({err.strerror}); set {CONFIG_ENV_VAR} or --config to a "
+            "readable yaml file"
+        ) from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"lmcache_r3 config {file}: not valid yaml: {err}") from None
+    return parse_config(document, str(file))
+
+
+def _explain(message: str) -> str:
+    """Turn msgspec's ``... - at `$.a.b``` into ``a.b: ...`` and list the allowed keys for an unknown one."""
+    match = re.fullmatch(r"(?s)(.*?)(?: - at `\$(.*)`)?", message)
+    detail, where = (match.group(1), (match.group(2) or "").lstrip(".")) if match else (message, "")
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", detail)
+    if unknown:
+        section = re.sub(r"\[\d+\]", "", where)
+        struct = _SECTIONS.get(section)
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        allowed = ", ".join(struct.__struct_fields__) if struct else "see docs/config.md"
+        return f"{key}: unknown key; allowed here: {allowed}"
+    detail = detail.replace("Expected `int`", "expected an integer").replace("Expected `float`", "expected a number")
+    detail = detail.replace("Expected `bool`", "expected true or false").replace("Expected `str`", "expected a string")
+    return f"{where}: {detail}" if where else detail

@@ -1,0 +1,120 @@
+"""Wire format between the connector and the R3 server module: one msgspec Struct per request and response.
+
+Every call travels inside LMCache's own ``server_module_call`` envelope (method name + opaque bytes), encoded
+with msgpack. A request addresses *chunks* the way LMCache addresses KV: the token sequence, a chunk-aligned
+token range ``[start, end)``, the model name the KV is stored under, and the cache salt. The server hashes the
+tokens with its own token hasher and chunk size, so an R3 object and the KV object of the same tokens share
+one chunk hash.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from lmcache_r3.artifacts import R3Profile
+
+#: Method names registered by :mod:`lmcache_r3.mp.server_module`.
+METHOD_STORE = "lmcache_r3.store"
+METHOD_LOOKUP = "lmcache_r3.lookup"
+METHOD_FETCH = "lmcache_r3.fetch"
+METHOD_DELETE = "lmcache_r3.delete"
+METHOD_INFO = "lmcache_r3.info"
+
+
+class ProfileSpec(msgspec.Struct, frozen=True):
+    """The model shape R3 rows have; the server refuses objects of any other shape."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+    def to_profile(self) -> R3Profile:
+        return R3Profile(num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts)
+
+    @classmethod
+    def of(cls, profile: R3Profile) -> ProfileSpec:
+        return cls(num_layers=profile.num_layers, top_k=profile.top_k, num_experts=profile.num_experts)
+
+
+class ChunkRange(msgspec.Struct, frozen=True):
+    """The chunks of ``token_ids[start:end]`` under ``model_name`` and ``cache_salt``.
+
+    ``start`` is a multiple of the server's chunk size; chunks are the complete ones in ``[start, end)`` (a
+    partial last chunk is never addressed, exactly as for KV).
+    """
+
+    model_name: str
+    """The model name the KV of these tokens is stored under (the server adds the R3 namespace)."""
+    token_ids: list[int]
+    start: int
+    end: int
+    cache_salt: str = ""
+
+
+class StoreRequest(msgspec.Struct, frozen=True):
+    """Store one R3 object per chunk of ``range``; ``objects`` is their concatenation (``encode_run``)."""
+
+    range: ChunkRange
+    profile: ProfileSpec
+    objects: bytes
+
+
+class StoreResponse(msgspec.Struct, frozen=True):
+    num_chunks: int
+    """Chunks the request addressed."""
+    num_stored: int
+    """Chunks newly written."""
+    num_present: int
+    """Chunks that were already stored (first writer wins; the bytes are identical by construction)."""
+
+
+class LookupRequest(msgspec.Struct, frozen=True):
+    """How many leading chunks of ``range`` have a valid R3 object of ``profile``."""
+
+    range: ChunkRange
+    profile: ProfileSpec
+
+
+class LookupResponse(msgspec.Struct, frozen=True):
+    num_hit_chunks: int
+    """Leading chunks present, counted from ``range.start``."""
+
+
+class FetchRequest(msgspec.Struct, frozen=True):
+    """Return the leading present chunks of ``range``."""
+
+    range: ChunkRange
+    profile: ProfileSpec
+
+
+class FetchResponse(msgspec.Struct, frozen=True):
+    num_hit_chunks: int
+    """Leading chunks returned, counted from ``range.start``; each was verified by the server."""
+    objects: bytes
+    """Their R3 objects, concatenated in chunk order (``decode_run`` reads them)."""
+
+
+class DeleteRequest(msgspec.Struct, frozen=True):
+    """Drop the R3 objects of ``range`` from L1 (KV objects of the same tokens are untouched)."""
+
+    range: ChunkRange
+
+
+class DeleteResponse(msgspec.Struct, frozen=True):
+    num_deleted: int
+    num_locked: int
+    """Objects that were in use by a reader and therefore kept."""
+
+
+class InfoResponse(msgspec.Struct, frozen=True):
+    chunk_size: int
+    namespace: str
+    format_version: int
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(message)
+
+
+def decode(payload: bytes, kind: type[msgspec.Struct]):
+    return msgspec.msgpack.decode(payload, type=kind)

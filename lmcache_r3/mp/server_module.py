@@ -1,0 +1,332 @@
+"""The R3 chunk type inside a stock LMCache MP server, loaded with ``--server-module``.
+
+An *R3 object* is one codec chunk object (:mod:`lmcache_r3.artifacts.codec`) holding the routed experts of one
+LMCache chunk of tokens. It is stored through the server's storage manager under the **same chunk hash and
+cache salt** as the KV object of those tokens — hashed by the server's own token hasher with its own chunk
+size — so L1 eviction and every L2 tier treat it like any object. Three things keep it apart from the KV:
+
+* its model name is the KV model name plus a namespace suffix (``"##r3"``), so KV lookups and KV events,
+  which match on the model name, never see it;
+* its kv rank is the world-size-1 rank, so one copy serves every tensor-parallel rank;
+* the server decodes every object it is given before storing it, and every object it serves before returning
+  it: a malformed store is refused whole with the reason, and a damaged stored object is a miss (and is
+  dropped) rather than wrong routing.
+
+Lookup and fetch answer for the *leading* chunks of a range, as prefix caches do: a missing or damaged chunk
+ends the hit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
+from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext, server_module_handler
+
+from lmcache_r3.artifacts import FORMAT_VERSION, R3Profile, decode_run, encoded_nbytes
+from lmcache_r3.mp import protocol
+
+logger = init_logger(__name__)
+
+#: One copy of an R3 object serves every tensor-parallel rank: it is stored under the world-size-1 rank.
+R3_KV_RANK = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+R3_OBJECT_GROUP = 0
+
+
+class R3RequestError(ValueError):
+    """A request the module refuses; the message says what is wrong and nothing was stored."""
+
+
+def build_server_modules(ctx: ExtServerModuleBuildContext) -> R3ServerModule:
+    """Factory named by ``--server-module '{"module_path": "lmcache_r3.mp.server_module", ...}'``."""
+    return R3ServerModule(ctx.server_context, ctx.config or {})
+
+
+class R3Counters:
+    """Monotonic counters for ``/status``; updated under one lock from the server's worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, int] = {
+            name: 0
+            for name in (
+                "store_calls",
+                "stored_chunks",
+                "store_skipped_chunks",
+                "refused_requests",
+                "lookup_calls",
+                "lookup_hit_chunks",
+                "fetch_calls",
+                "fetched_chunks",
+                "damaged_objects",
+                "deleted_chunks",
+                "prefetch_timeouts",
+            )
+        }
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, value in increments.items():
+                self.values[name] += value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.values)
+
+
+class R3ServerModule:
+    """Store, look up, fetch and delete R3 objects; see the module docstring."""
+
+    def __init__(self, server_context: Any, config: dict[str, Any]) -> None:
+        unknown = set(config) - {"namespace", "prefetch_timeout_s"}
+        if unknown:
+            raise ValueError(f"lmcache_r3 server module: unknown config keys {sorted(unknown)}")
+        self._ctx = server_context
+        self.namespace = str(config.get("namespace", "##r3"))
+        self.prefetch_timeout_s = float(config.get("prefetch_timeout_s", 10.0))
+        if not self.namespace or "@" in self.namespace:
+            raise ValueError(f"lmcache_r3 server module: namespace {self.namespace!r} must be non-empty, without '@'")
+        self.counters = R3Counters()
+        logger.info("lmcache_r3 R3 chunk type loaded: namespace=%r chunk_size=%d", self.namespace, self._ctx.chunk_size)
+
+    # -- EngineModule ---------------------------------------------------------------------------------------
+    @property
+    def context(self) -> Any:
+        return self._ctx
+
+    def report_status(self) -> dict:
+        return {
+            "lmcache_r3": {
+                "namespace": self.namespace,
+                "chunk_size": self.chunk_size,
+                "format_version": FORMAT_VERSION,
+                **self.counters.snapshot(),
+            }
+        }
+
+    def close(self) -> None:
+        return None
+
+    @property
+    def chunk_size(self) -> int:
+        return int(self._ctx.chunk_size)
+
+    # -- handlers -------------------------------------------------------------------------------------------
+    @server_module_handler(protocol.METHOD_INFO)
+    def info(self, payload: bytes) -> bytes:
+        return protocol.encode(
+            protocol.InfoResponse(chunk_size=self.chunk_size, namespace=self.namespace, format_version=FORMAT_VERSION)
+        )
+
+    @server_module_handler(protocol.METHOD_STORE)
+    def store(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.StoreRequest)
+        profile = self._profile(request.profile)
+        keys = self._keys(request.range)
+        object_nbytes = encoded_nbytes(profile, self.chunk_size)
+        expected = object_nbytes * len(keys)
+        if len(request.objects) != expected:
+            self._refuse(
+                f"store of tokens [{request.range.start}, {request.range.end}) covers {len(keys)} full chunks of "
+                f"{self.chunk_size} tokens = {expected} bytes of R3 objects for {profile.describe()}, but "
+                f"{len(request.objects)} bytes were sent (partial chunks are never stored)"
+            )
+        decoded = decode_run(request.objects, profile, request.range.start, self.chunk_size)
+        if decoded.error is not None:
+            self._refuse(
+                f"store refused, nothing stored: R3 object {len(decoded.chunks)} of {len(keys)} is invalid: "
+                f"{decoded.error}"
+            )
+        if not keys:
+            return protocol.encode(protocol.StoreResponse(num_chunks=0, num_stored=0, num_present=0))
+        storage = self._ctx.storage_manager
+        reserved = storage.reserve_write(keys, _layout(object_nbytes))
+        if reserved:
+            source = np.frombuffer(request.objects, dtype=np.uint8)
+            for index, key in enumerate(keys):
+                obj = reserved.get(key)
+                if obj is not None:
+                    _object_bytes(obj, object_nbytes)[:] = source[index * object_nbytes : (index + 1) * object_nbytes]
+            storage.finish_write_by_owner(storage.prepare_write_completion(reserved))
+        skipped = len(keys) - len(reserved)
+        self.counters.add(store_calls=1, stored_chunks=len(reserved), store_skipped_chunks=skipped)
+        return protocol.encode(
+            protocol.StoreResponse(num_chunks=len(keys), num_stored=len(reserved), num_present=skipped)
+        )
+
+    @server_module_handler(protocol.METHOD_LOOKUP)
+    def lookup(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.LookupRequest)
+        hit, _ = self._read_leading(request.range, self._profile(request.profile), keep_bytes=False)
+        self.counters.add(lookup_calls=1, lookup_hit_chunks=hit)
+        return protocol.encode(protocol.LookupResponse(num_hit_chunks=hit))
+
+    @server_module_handler(protocol.METHOD_FETCH)
+    def fetch(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.FetchRequest)
+        hit, objects = self._read_leading(request.range, self._profile(request.profile), keep_bytes=True)
+        self.counters.add(fetch_calls=1, fetched_chunks=hit)
+        return protocol.encode(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
+
+    @server_module_handler(protocol.METHOD_DELETE)
+    def delete(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.DeleteRequest)
+        keys = self._keys(request.range)
+        deleted, locked = self._ctx.storage_manager.delete_l1_keys(keys) if keys else (0, 0)
+        self.counters.add(deleted_chunks=deleted)
+        return protocol.encode(protocol.DeleteResponse(num_deleted=deleted, num_locked=locked))
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    def _refuse(self, message: str) -> None:
+        self.counters.add(refused_requests=1)
+        raise R3RequestError(message)
+
+    def _decode(self, payload: bytes, kind: type[msgspec.Struct]):
+        try:
+            return protocol.decode(payload, kind)
+        except msgspec.DecodeError as err:
+            self._refuse(f"malformed {kind.__name__}: {err}")
+
+    def _profile(self, spec: protocol.ProfileSpec) -> R3Profile:
+        try:
+            return spec.to_profile()
+        except (TypeError, ValueError) as err:
+            self._refuse(f"invalid R3 profile {spec}: {err}")
+
+    def _keys(self, chunk_range: protocol.ChunkRange) -> list[ObjectKey]:
+        size = self.chunk_size
+        start, end = chunk_range.start, chunk_range.end
+        if start < 0 or start % size or end < start or end > len(chunk_range.token_ids):
+            self._refuse(
+                f"token range [{start}, {end}) of {len(chunk_range.token_ids)} tokens is invalid: start must be a "
+                f"non-negative multiple of the chunk size {size} and end must lie in [start, len(token_ids)]"
+            )
+        if not chunk_range.model_name or "@" in chunk_range.model_name:
+            self._refuse(f"model_name {chunk_range.model_name!r} must be non-empty and without '@'")
+        hashes = self._ctx.token_hasher.compute_chunk_hashes(chunk_range.token_ids, start=start, end=end)
+        model_name = chunk_range.model_name + self.namespace
+        try:
+            return [
+                ObjectKey(
+                    chunk_hash=chunk_hash,
+                    model_name=model_name,
+                    kv_rank=R3_KV_RANK,
+                    object_group_id=R3_OBJECT_GROUP,
+                    cache_salt=chunk_range.cache_salt,
+                )
+                for chunk_hash in hashes
+            ]
+        except (TypeError, ValueError) as err:
+            self._refuse(f"invalid R3 key: {err}")
+
+    def _read_leading(
+        self, chunk_range: protocol.ChunkRange, profile: R3Profile, keep_bytes: bool
+    ) -> tuple[int, bytes]:
+        """Bring the leading present objects into L1 (from L2 if needed), verify them, release the locks.
+
+        Returns the number of leading valid chunks and, with ``keep_bytes``, their concatenated bytes. A damaged
+        object ends the hit and is dropped from L1 so it is not found again.
+        """
+        keys = self._keys(chunk_range)
+        if not keys:
+            return 0, b""
+        object_nbytes = encoded_nbytes(profile, self.chunk_size)
+        storage = self._ctx.storage_manager
+        spec = PrefetchTaskSpec(
+            key_groups=[
+                GroupedObjectKeys(keys=keys, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
+            ],
+            num_kv_readers=1,
+        )
+        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
+        result = self._wait_prefetch(handle, keys)
+        if result is None:
+            return 0, b""
+        present = result.hit_cells[0].count_leading_ones()
+        hit_keys = keys[:present]
+        valid, run, damaged = 0, b"", None
+        try:
+            if hit_keys:
+                found_keys, objects = storage.unsafe_read(hit_keys, l1_owners=result.l1_owners)
+                views = []
+                for key, obj in zip(found_keys, objects, strict=True):
+                    if key != hit_keys[len(views)]:
+                        break  # an object vanished in between: the hit ends before it
+                    views.append(_object_bytes(obj, object_nbytes))
+                run = b"".join(views)
+        finally:
+            if hit_keys:
+                storage.finish_read_prefetched(hit_keys, read_locks=1, l1_owners=result.l1_owners)
+                storage.touch_l1_keys(hit_keys)
+        if run:
+            decoded = decode_run(run, profile, chunk_range.start, self.chunk_size)
+            valid = len(decoded.chunks)
+            if decoded.error is not None and valid < len(run) // object_nbytes:
+                damaged = hit_keys[valid]
+                logger.warning(
+                    "lmcache_r3: dropping damaged R3 object for tokens [%d, %d): %s",
+                    chunk_range.start + valid * self.chunk_size,
+                    chunk_range.start + (valid + 1) * self.chunk_size,
+                    decoded.error,
+                )
+        if damaged is not None:
+            self._drop_damaged(damaged)
+        return valid, (run[: valid * object_nbytes] if keep_bytes else b"")
+
+    def _drop_damaged(self, key: ObjectKey) -> None:
+        """Remove a damaged object from L1 and from every L2 tier, so no later lookup finds it."""
+        storage = self._ctx.storage_manager
+        self.counters.add(damaged_objects=1)
+        storage.delete_l1_keys([key])
+        for descriptor, adapter in storage.l2_adapters():
+            try:
+                adapter.delete([key])
+            except Exception as err:  # a tier that cannot delete keeps the object; lookups keep refusing it
+                logger.warning("lmcache_r3: L2 tier %s could not delete a damaged R3 object: %s", descriptor, err)
+
+    def _wait_prefetch(self, handle: Any, keys: list[ObjectKey]):
+        storage = self._ctx.storage_manager
+        deadline = time.monotonic() + self.prefetch_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.counters.add(prefetch_timeouts=1)
+                _release_when_done(storage, handle, keys)
+                logger.warning("lmcache_r3: prefetch of %d R3 objects timed out; answering a miss", len(keys))
+                return None
+            storage.wait_prefetch_status(handle, remaining)
+            result = storage.query_prefetch_status(handle)
+            if result is not None:
+                return result
+
+
+def _layout(object_nbytes: int) -> MemoryLayoutDesc:
+    return MemoryLayoutDesc(shapes=[torch.Size([object_nbytes])], dtypes=[torch.uint8])
+
+
+def _object_bytes(obj: Any, object_nbytes: int) -> np.ndarray:
+    """The first ``object_nbytes`` bytes of an L1 memory object, as a writable numpy view (no copy)."""
+    return obj.tensor.view(torch.uint8).reshape(-1)[:object_nbytes].numpy()
+
+
+def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None:
+    """A prefetch we stopped waiting for still takes read locks when it finishes: release them then."""
+
+    def release() -> None:
+        deadline = time.monotonic() + 300.0
+        while time.monotonic() < deadline:
+            storage.wait_prefetch_status(handle, 1.0)
+            result = storage.query_prefetch_status(handle)
+            if result is not None:
+                present = result.hit_cells[0].count_leading_ones() if result.hit_cells else 0
+                if present:
+                    storage.finish_read_prefetched(keys[:present], read_locks=1, l1_owners=result.l1_owners)
+                return
+
+    threading.Thread(target=release, name="lmcache_r3-prefetch-release", daemon=True).start()

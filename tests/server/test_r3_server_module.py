@@ -1,0 +1,253 @@
+"""The R3 chunk type in a real LMCache MP server: stored under the KV chunk keys, validated on the way in and
+out, served byte-equal from L1 and from an L2 tier."""
+
+import os
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
+from lmcache_r3.mp import protocol
+from lmcache_r3.mp.r3_client import R3Client, R3ClientError
+
+pytestmark = pytest.mark.server
+
+CHUNK = 64
+PROFILE = R3Profile(num_layers=4, top_k=2, num_experts=8)
+MODEL = "tiny-moe"
+
+
+def tokens_for(seed: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, 1000, size=length).tolist()
+
+
+def rows_for(seed: int, num_tokens: int, profile: R3Profile = PROFILE) -> np.ndarray:
+    rng = np.random.default_rng(10_000 + seed)
+    return rng.integers(0, profile.num_experts, size=(num_tokens, *profile.row_shape)).astype(profile.dtype)
+
+
+def wait_for_hit(client: R3Client, tokens, expected: int, timeout_s: float = 10.0, **kw) -> int:
+    """Stores become visible asynchronously; poll the lookup (bounded) until it reports ``expected``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hit = client.lookup(tokens, **kw).result().num_hit_chunks
+        if hit == expected or time.monotonic() > deadline:
+            return hit
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def client(r3_server):
+    with R3Client(r3_server.url, MODEL, PROFILE) as r3:
+        yield r3
+
+
+def store_rows(client: R3Client, tokens, rows, start=0, **kw):
+    objects = encode_run(PROFILE, start, rows[start:], CHUNK)
+    return client.store(tokens, start, objects, end=start + len(rows[start:]), **kw).result()
+
+
+def test_store_then_fetch_returns_the_same_rows_from_l1(client, r3_server):
+    tokens = tokens_for(1, 4 * CHUNK)
+    rows = rows_for(1, 4 * CHUNK)
+    stored = store_rows(client, tokens, rows)
+    assert (stored.num_chunks, stored.num_stored) == (4, 4)
+    assert wait_for_hit(client, tokens, 4) == 4
+    fetched = client.fetch(tokens).result()
+    assert fetched.num_hit_chunks == 4
+    decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+    assert decoded.error is None
+    assert np.array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows)
+    assert r3_server.l1_counts()["read_locked_count"] == 0
+
+
+def test_fetch_after_l1_is_cleared_comes_from_the_l2_tier_byte_equal(r3_server_with_fs_tier):
+    server = r3_server_with_fs_tier
+    tokens, rows = tokens_for(2, 3 * CHUNK), rows_for(2, 3 * CHUNK)
+    with R3Client(server.url, MODEL, PROFILE) as r3:
+        store_rows(r3, tokens, rows)
+        assert wait_for_hit(r3, tokens, 3) == 3
+        objects_before = server.l1_counts()["total_object_count"]
+        deadline = time.monotonic() + 10
+        while True:  # the fs tier writes behind L1; clear once it has the objects
+            server.clear_l1()
+            if server.l1_counts()["total_object_count"] < objects_before or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert server.l1_counts()["total_object_count"] == 0
+        fetched = r3.fetch(tokens).result()
+        assert fetched.num_hit_chunks == 3
+        decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+        assert np.array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows)
+
+
+def test_another_cache_salt_never_hits(client):
+    tokens, rows = tokens_for(3, 2 * CHUNK), rows_for(3, 2 * CHUNK)
+    store_rows(client, tokens, rows, cache_salt="alice")
+    assert wait_for_hit(client, tokens, 2, cache_salt="alice") == 2
+    assert client.lookup(tokens, cache_salt="bob").result().num_hit_chunks == 0
+    assert client.lookup(tokens).result().num_hit_chunks == 0
+
+
+def test_a_sequence_sharing_the_first_k_chunks_hits_exactly_k(client):
+    tokens, rows = tokens_for(4, 4 * CHUNK), rows_for(4, 4 * CHUNK)
+    store_rows(client, tokens, rows)
+    assert wait_for_hit(client, tokens, 4) == 4
+    diverged = tokens[: 2 * CHUNK + 5] + [7] * (2 * CHUNK - 5)
+    assert client.lookup(diverged).result().num_hit_chunks == 2
+    fetched = client.fetch(diverged).result()
+    decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+    assert np.array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows[: 2 * CHUNK])
+
+
+def test_a_partial_last_chunk_is_never_stored(client):
+    tokens, rows = tokens_for(5, 2 * CHUNK + 20), rows_for(5, 2 * CHUNK + 20)
+    full = encode_run(PROFILE, 0, rows[: 2 * CHUNK], CHUNK)
+    assert client.store(tokens, 0, full).result().num_chunks == 2  # end = len(tokens): the tail is not a chunk
+    with_tail = full + encode_run(PROFILE, 2 * CHUNK, rows_for(6, CHUNK), CHUNK)
+    with pytest.raises(R3ClientError, match="partial chunks are never stored"):
+        client.store(tokens, 0, with_tail).result()
+    longer = tokens + tokens_for(7, CHUNK)
+    assert wait_for_hit(client, longer, 2) == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flipped_payload_byte", "flipped_header_byte", "truncated", "other_profile", "wrong_start", "garbage_message"],
+)
+def test_malformed_stores_are_refused_with_the_reason_and_nothing_is_stored(client, r3_server, damage):
+    tokens, rows = tokens_for(100 + len(damage), 2 * CHUNK), rows_for(8, 2 * CHUNK)
+    objects = bytearray(encode_run(PROFILE, 0, rows, CHUNK))
+    reason = "is invalid"
+    if damage == "flipped_payload_byte":
+        objects[-1] ^= 0x01
+        reason = "checksum"
+    elif damage == "flipped_header_byte":
+        objects[30] ^= 0x40
+        reason = "checksum"
+    elif damage == "truncated":
+        objects = objects[:-3]
+        reason = "bytes were sent"
+    elif damage == "other_profile":
+        other = R3Profile(num_layers=4, top_k=2, num_experts=300)
+        objects = bytearray(encode_run(other, 0, rows_for(8, 2 * CHUNK, other), CHUNK))
+        reason = "bytes were sent"
+    elif damage == "wrong_start":
+        objects = bytearray(encode_run(PROFILE, CHUNK, rows, CHUNK))
+        reason = "is invalid"
+    if damage == "garbage_message":
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        future = client._client.server_module_call(
+            ServerModuleCallRequest(method=protocol.METHOD_STORE, payload=os.urandom(64))
+        )
+        response = future.result(timeout=10)
+        assert not response.success and "malformed StoreRequest" in response.error
+    else:
+        with pytest.raises(R3ClientError, match=reason):
+            client.store(tokens, 0, bytes(objects)).result()
+    # nothing stored, and the server keeps serving
+    assert client.lookup(tokens).result().num_hit_chunks == 0
+    assert r3_server.ping()
+    good = store_rows(client, tokens, rows)
+    assert good.num_stored == 2
+
+
+def test_objects_of_another_profile_under_the_same_key_are_a_miss(client, r3_server):
+    tokens, rows = tokens_for(9, CHUNK), rows_for(9, CHUNK)
+    store_rows(client, tokens, rows)
+    assert wait_for_hit(client, tokens, 1) == 1
+    other = R3Profile(num_layers=4, top_k=2, num_experts=16)
+    with R3Client(r3_server.url, MODEL, other) as reader:
+        assert reader.lookup(tokens).result().num_hit_chunks == 0
+        assert reader.fetch(tokens).result().objects == b""
+
+
+def test_eight_concurrent_clients_on_overlapping_prefixes_only_ever_read_what_was_stored(r3_server):
+    shared = tokens_for(11, 2 * CHUNK)
+    shared_rows = rows_for(11, 2 * CHUNK)
+    errors: list[str] = []
+
+    def worker(index: int) -> None:
+        with R3Client(r3_server.url, MODEL, PROFILE, timeout_s=20) as r3:
+            tokens = shared + tokens_for(200 + index, 2 * CHUNK)
+            rows = np.concatenate([shared_rows, rows_for(200 + index, 2 * CHUNK)])
+            for _ in range(5):
+                r3.store(tokens, 0, encode_run(PROFILE, 0, rows, CHUNK)).result()
+                fetched = r3.fetch(tokens).result()
+                decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+                if decoded.error is not None or len(decoded.chunks) != fetched.num_hit_chunks:
+                    errors.append(f"client {index}: invalid object served: {decoded.error}")
+                got = np.concatenate([c.rows for c in decoded.chunks]) if decoded.chunks else rows[:0]
+                if not np.array_equal(got, rows[: len(got)]):
+                    errors.append(f"client {index}: rows differ from what was stored")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert r3_server.l1_counts()["read_locked_count"] == 0
+
+
+def test_status_reports_the_r3_counters(client, r3_server):
+    tokens, rows = tokens_for(12, CHUNK), rows_for(12, CHUNK)
+    store_rows(client, tokens, rows)
+    status = r3_server.status()["lmcache_r3"]
+    assert status["namespace"] == "##r3" and status["chunk_size"] == CHUNK
+    assert status["stored_chunks"] >= 1 and status["store_calls"] >= 1
+
+
+def test_info_reports_chunk_size_and_namespace(client):
+    info = client.info().result()
+    assert (info.chunk_size, info.namespace) == (CHUNK, "##r3")
+
+
+def test_protocol_messages_round_trip():
+    request = protocol.LookupRequest(protocol.ChunkRange(MODEL, [1, 2, 3], 0, 3, "s"), protocol.ProfileSpec(4, 2, 8))
+    assert protocol.decode(protocol.encode(request), protocol.LookupRequest) == request
+    with pytest.raises(msgspec.DecodeError):
+        protocol.decode(b"\x00\x01", protocol.LookupRequest)
+
+
+def test_an_object_damaged_in_the_tier_is_never_served(r3_server_with_fs_tier, tmp_path_factory):
+    server = r3_server_with_fs_tier
+    base = next(a["base_path"] for a in server.settings.l2_adapters)
+    tokens, rows = tokens_for(13, 2 * CHUNK), rows_for(13, 2 * CHUNK)
+    with R3Client(server.url, MODEL, PROFILE) as r3:
+        before = {p for p in _files(base)}
+        store_rows(r3, tokens, rows)
+        deadline = time.monotonic() + 10
+        while len(new := _files(base) - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(new) == 2, f"expected the tier to hold 2 new objects, found {sorted(new)}"
+        second = max(new, key=lambda p: _header_token_start(p))
+        data = bytearray(open(second, "rb").read())
+        data[-10] ^= 0xFF  # one payload byte of chunk 1 flips on disk
+        open(second, "wb").write(bytes(data))
+        server.clear_l1()
+        fetched = r3.fetch(tokens).result()
+        assert fetched.num_hit_chunks == 1, "the damaged chunk must end the hit"
+        decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+        assert np.array_equal(decoded.chunks[0].rows, rows[:CHUNK])
+        assert server.status()["lmcache_r3"]["damaged_objects"] >= 1
+        assert second not in _files(base), "the damaged object stays in the tier"
+        assert r3.lookup(tokens).result().num_hit_chunks == 1
+
+
+def _files(base: str) -> set[str]:
+    return {os.path.join(root, name) for root, _, names in os.walk(base) for name in names}
+
+
+def _header_token_start(path: str) -> int:
+    from lmcache_r3.artifacts import read_header
+
+    data = open(path, "rb").read()
+    index = data.find(b"R3RX")
+    return read_header(data[index:]).token_start

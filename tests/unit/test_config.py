@@ -1,0 +1,71 @@
+"""LMCACHE_CONFIG_FILE: every kind of bad file gives its own message naming the key and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_r3.config import Config, ConfigError, load_config, parse_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lmcache_r3.yaml"
+
+
+def test_example_file_loads_with_every_section():
+    config = load_config(EXAMPLE)
+    assert config.server.port == 5555
+    assert config.server.chunk_size == 256
+    assert config.tiers == [{"type": "fs", "base_path": "/tmp/lmcache_r3-l2"}]
+    assert config.r3.enabled and config.r3.namespace == "##r3"
+    assert config.server_url == "tcp://127.0.0.1:5555"
+
+
+def test_no_file_anywhere_means_defaults(monkeypatch):
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    assert load_config() == Config()
+
+
+def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("server: {port: 6000, http_port: 6001}\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(file))
+    assert load_config().server.port == 6000
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        pytest.param(
+            {"server": {"chunk_sze": 64}}, "server.chunk_sze: unknown key; allowed here: host, port", id="typo"
+        ),
+        pytest.param({"srever": {}}, "srever: unknown key; allowed here: server, tiers, r3, connector", id="section"),
+        pytest.param({"server": {"port": "high"}}, "server.port: expected an integer, got `str`", id="type"),
+        pytest.param({"server": {"port": 70000}}, "server.port: expected an integer <= 65535", id="range"),
+        pytest.param({"server": {"chunk_size": 0}}, "server.chunk_size: expected an integer >= 32", id="chunk"),
+        pytest.param({"server": {"port": 9000, "http_port": 9000}}, "port and http_port are both 9000", id="ports"),
+        pytest.param(
+            {"server": {"eviction_policy": "FIFO"}}, "server.eviction_policy: Invalid enum value 'FIFO'", id="enum"
+        ),
+        pytest.param({"r3": {"enabled": "yes"}}, "r3.enabled: expected true or false", id="bool"),
+        pytest.param({"r3": {"namespace": "a/b"}}, "namespace 'a/b' must be non-empty", id="namespace"),
+        pytest.param({"tiers": [{"base_path": "/x"}]}, "tiers[0] has no 'type'", id="tier-type"),
+        pytest.param({"connector": {"server_url": "localhost"}}, "must look like tcp://127.0.0.1:5555", id="url"),
+        pytest.param({"connector": {"r3_timeout_s": 0}}, "connector.r3_timeout_s: expected a number > 0", id="timeout"),
+        pytest.param([1, 2], "the top level must be a mapping, got list", id="top-level"),
+    ],
+)
+def test_bad_documents_are_refused_with_the_key_and_the_rule(document, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(document, "deploy.yaml")
+    assert "lmcache_r3 config deploy.yaml: " in str(err.value)
+    assert message in str(err.value)
+
+
+def test_unreadable_file_names_the_variable_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read it .* set LMCACHE_CONFIG_FILE or --config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_invalid_yaml_is_reported_as_yaml(tmp_path):
+    file = tmp_path / "bad.yaml"
+    file.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid yaml"):
+        load_config(file)
