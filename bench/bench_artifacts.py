@@ -18,15 +18,14 @@ import gc
 import mmap
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import xxhash
+from benchdocs import DOCS, write_section
 
 from lmcache_r3.artifacts import (
     GatherNarrowError,
@@ -41,7 +40,6 @@ from lmcache_r3.artifacts import (
     gather_narrow_reference,
 )
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## R3 artifact core"
 PROFILE = R3Profile(48, 8, 128)  # 384 B per token, uint8
 CHUNK_TOKENS = 256
@@ -223,17 +221,6 @@ def report(quick: bool) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(text: str) -> None:
-    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: text + "\n", current, count=1)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(updated.rstrip("\n") + "\n")
-
-
 def checksum_report() -> str:
     """Throughput of the checksum candidates that are importable here, on one 96 KiB chunk, against memcpy."""
     import hashlib
@@ -339,7 +326,7 @@ def main() -> int:
     text = report(args.quick)
     print(text)
     if args.write:
-        write_section(text)
+        write_section(SECTION, text)
         print(f"updated {DOCS}")
     return 0
 

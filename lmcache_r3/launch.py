@@ -32,6 +32,19 @@ class ServiceStartError(RuntimeError):
     """A managed process exited or never became ready; the message ends with the tail of its log."""
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so ``finally`` blocks run and the services this process started stop.
+
+    Python's default SIGTERM action ends the process at once, which would leave its managed processes (each in
+    a session of its own) running.
+    """
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The current environment with telemetry off, plus ``extra``."""
     env = dict(os.environ)

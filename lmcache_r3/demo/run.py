@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmcache_r3.demo.model import FIRST_WORD_ID, SHAPES, build_tiny_moe
-from lmcache_r3.launch import TELEMETRY_OFF
+from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
 from lmcache_r3.mp.server_process import LMCacheServer, loopback_settings, start_server
 
 BLOCK_SIZE = 32
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-cache", type=Path, default=None, help="where tiny models are built and kept")
     args = parser.parse_args(argv)
 
+    exit_on_sigterm()
     for key, value in TELEMETRY_OFF.items():
         os.environ[key] = value
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

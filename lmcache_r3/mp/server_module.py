@@ -277,7 +277,9 @@ class R3ServerModule:
                 )
         if damaged is not None:
             self._drop_damaged(damaged)
-        return valid, (run[: valid * object_nbytes] if keep_bytes else b"")
+        if not keep_bytes:
+            return valid, b""
+        return valid, (run if valid * object_nbytes == len(run) else run[: valid * object_nbytes])
 
     def _drop_damaged(self, key: ObjectKey) -> None:
         """Remove a damaged object from L1 and from every L2 tier, so no later lookup finds it."""

@@ -1,6 +1,7 @@
 """Managed processes: telemetry off, clear errors quoting the log, stop by pid ends the whole group."""
 
 import os
+import subprocess
 import sys
 import time
 
@@ -64,4 +65,31 @@ def test_stop_by_pid_also_ends_grandchildren_that_ignore_sigterm(tmp_path):
     deadline = time.monotonic() + 5
     while processes_with_marker(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert processes_with_marker(marker) == {}
+
+
+def test_sigterm_to_a_launcher_still_stops_the_services_it_started(tmp_path):
+    marker = os.urandom(8).hex()
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from lmcache_r3.launch import ManagedProcess, exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        f"proc = ManagedProcess('svc', ['sleep', '60'], Path({str(tmp_path)!r}) / 'svc.log')\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    proc.stop()\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, env={**os.environ, RUN_MARKER_VAR: marker}, text=True
+    )
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        assert len(processes_with_marker(marker)) == 2  # the launcher and its service
+        launcher.terminate()
+        assert launcher.wait(timeout=30) == 128 + 15
+    finally:
+        launcher.kill()
     assert processes_with_marker(marker) == {}
