@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,8 @@ import msgspec
 import yaml
 
 CONFIG_ENV_VAR = "LMCACHE_CONFIG_FILE"
+CONFIG_EXTRA_KEY = "lmcache_r3.config_file"
+"""``kv_connector_extra_config`` key naming the file for one engine (else ``$LMCACHE_CONFIG_FILE``)."""
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -174,3 +177,32 @@ def _explain(message: str) -> str:
     detail = detail.replace("Expected `int`", "expected an integer").replace("Expected `float`", "expected a number")
     detail = detail.replace("Expected `bool`", "expected true or false").replace("Expected `str`", "expected a string")
     return f"{where}: {detail}" if where else detail
+
+
+def load_connector_config(extra_config: Mapping[str, Any] | None) -> Config:
+    """The config a vLLM engine's connector uses: the file named by ``kv_connector_extra_config`` under
+    ``lmcache_r3.config_file``, else ``$LMCACHE_CONFIG_FILE``, else the defaults.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    path = (extra_config or {}).get(CONFIG_EXTRA_KEY)
+    return load_config(path if path else None)
+
+
+def stock_connector_extra_config(config: Config, extra_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``lmcache.mp.*`` entries LMCache's MP connector reads, from ``config``.
+
+    Entries the user set explicitly in ``kv_connector_extra_config`` win over the file.
+
+    Example: ``server: {host: 127.0.0.1, port: 5555}`` gives ``{"lmcache.mp.host": "tcp://127.0.0.1",
+    "lmcache.mp.port": 5555, "lmcache.mp.mq_timeout": 30.0}``.
+    """
+    host, port = config.server_url.removeprefix("tcp://").rsplit(":", 1)
+    entries: dict[str, Any] = {
+        "lmcache.mp.host": f"tcp://{host}",
+        "lmcache.mp.port": int(port),
+        "lmcache.mp.mq_timeout": config.connector.mq_timeout_s,
+    }
+    entries.update(extra_config or {})
+    return entries

@@ -77,6 +77,8 @@ class R3Client:
         self.timeout_s = timeout_s
         self._profile_spec = protocol.ProfileSpec.of(profile)
         self._context = zmq.Context()
+        # Unsent requests to a dead server are dropped on close instead of blocking the context's termination.
+        self._context.setsockopt(zmq.LINGER, 0)
         self._client = RequestClientFactory.create(server_url, context=self._context)
 
     def _range(self, token_ids: Sequence[int], start: int, end: int | None, cache_salt: str) -> protocol.ChunkRange:

@@ -128,6 +128,7 @@ class LMCacheServer:
         from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
         context = zmq.Context()
+        context.setsockopt(zmq.LINGER, 0)  # a ping to a dead server must not block the probe's cleanup
         client = RequestClientFactory.create(self.url, context=context)
         try:
             return bool(client.ping(None).result(timeout=timeout_s))

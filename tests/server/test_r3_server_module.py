@@ -251,3 +251,15 @@ def _header_token_start(path: str) -> int:
     data = open(path, "rb").read()
     index = data.find(b"R3RX")
     return read_header(data[index:]).token_start
+
+
+def test_a_dead_server_costs_the_caller_a_bounded_wait_and_a_clear_error():
+    from lmcache_r3.launch import free_port
+    from lmcache_r3.mp.r3_client import R3TimeoutError
+
+    with R3Client(f"tcp://127.0.0.1:{free_port()}", MODEL, PROFILE, timeout_s=0.5) as r3:
+        call = r3.lookup(tokens_for(14, CHUNK))
+        started = time.monotonic()
+        with pytest.raises(R3TimeoutError, match="no answer from the LMCache server within the bound"):
+            call.result()
+        assert time.monotonic() - started < 5

@@ -69,3 +69,30 @@ def test_invalid_yaml_is_reported_as_yaml(tmp_path):
     file.write_text("server: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid yaml"):
         load_config(file)
+
+
+def test_connector_reads_the_file_named_in_its_extra_config_before_the_environment(monkeypatch, tmp_path):
+    from lmcache_r3.config import load_connector_config
+
+    engine_file = tmp_path / "engine.yaml"
+    engine_file.write_text("server: {port: 7000, http_port: 7001}\n")
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text("server: {port: 8000, http_port: 8001}\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(env_file))
+    assert load_connector_config({"lmcache_r3.config_file": str(engine_file)}).server.port == 7000
+    assert load_connector_config({}).server.port == 8000
+
+
+def test_stock_connector_entries_come_from_the_file_and_explicit_entries_win():
+    from lmcache_r3.config import stock_connector_extra_config
+
+    config = parse_config({"server": {"port": 6100, "http_port": 6101}, "connector": {"mq_timeout_s": 12}})
+    assert stock_connector_extra_config(config) == {
+        "lmcache.mp.host": "tcp://127.0.0.1",
+        "lmcache.mp.port": 6100,
+        "lmcache.mp.mq_timeout": 12.0,
+    }
+    remote = parse_config({"connector": {"server_url": "tcp://10.1.2.3:6200"}})
+    entries = stock_connector_extra_config(remote, {"lmcache.mp.mq_timeout": 3})
+    assert entries["lmcache.mp.host"] == "tcp://10.1.2.3" and entries["lmcache.mp.port"] == 6200
+    assert entries["lmcache.mp.mq_timeout"] == 3
