@@ -209,6 +209,12 @@ class SchedulerHarness:
             self._config_context.__exit__(None, None, None)
             raise
         self.block_tables: dict[str, tuple[list[int], ...]] = {}
+        """Per request, its block tables when it was first scheduled."""
+        self.final_block_tables: dict[str, tuple[list[int], ...]] = {}
+        """Per request, its block tables after the last step that held them."""
+        self.real_blocks: dict[str, list[dict[int, int]]] = {}
+        """Per request and group, block index -> the last non-null block id it ever had (align-mode Mamba
+        replaces a request's older checkpoints by the null block as it advances)."""
 
     # -- KV bytes --------------------------------------------------------------------------------------------
     def _fill_random_with_null_sentinel(self) -> None:
@@ -233,6 +239,16 @@ class SchedulerHarness:
 
     def attention_layers(self) -> list[str]:
         return list(self.kv_cache_config.kv_cache_groups[0].layer_names)
+
+    def recurrent_layers(self) -> list[str]:
+        groups = self.kv_cache_config.kv_cache_groups
+        return list(groups[1].layer_names) if len(groups) > 1 else []
+
+    def recurrent_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
+        return {
+            layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks)
+            for layer in self.recurrent_layers()
+        }
 
     def attention_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
         return {
@@ -284,6 +300,12 @@ class SchedulerHarness:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
         scheduled = list(out.num_scheduled_tokens)
+        for request_id in scheduled:
+            tables = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+            self.final_block_tables[request_id] = tuple(list(ids) for ids in tables)
+            seen = self.real_blocks.setdefault(request_id, [{} for _ in tables])
+            for group, ids in enumerate(tables):
+                seen[group].update({i: b for i, b in enumerate(ids) if b != self.null_block_id})
         sampled = []
         for request_id in scheduled:
             request = self.scheduler.requests[request_id]

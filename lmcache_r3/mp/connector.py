@@ -1,0 +1,370 @@
+"""``LMCacheMPConnector`` for vLLM 0.32: LMCache 0.5.6's multiprocess connector with the hybrid-model fixes.
+
+Use it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector", "kv_connector_module_path":
+"lmcache_r3.mp.connector", "kv_role": "kv_both"}'``. It subclasses LMCache's connector and changes four things,
+each decided by a pure function of :mod:`lmcache_r3.mp.planning` (docs/connector.md explains them):
+
+1. **Admitted range.** ``update_state_after_alloc`` records how many external tokens the scheduler admitted; the
+   retrieve stops at the chunk holding the last admitted token and the lookup locks past it are freed at once
+   (zero admitted: no retrieve, every lock freed).
+2. **Null-block projection.** A retrieve is projected onto the request's block tables per KV group: vLLM's null
+   block is never a destination; a group's leading null chunks are not restored; a null block after a real one,
+   a group without any real destination, or a retrieve the LMCache 0.5.6 server cannot carry out without
+   writing the null block *fails closed*: nothing is retrieved, the locks are freed and vLLM recomputes.
+3. **Store window.** A store ends before the first chunk whose block in any group is the null block, and nothing
+   of that request is stored after it.
+4. **Coverage guard.** No retrieve into a range some group has no blocks for.
+
+The worker side refuses, whatever the scheduler sent, to use the null block as the source or destination of a
+copy. Everything else (lookups, the transfer itself, sessions) is LMCache's. The connector reads
+``LMCACHE_CONFIG_FILE`` (or the file named by ``kv_connector_extra_config["lmcache_r3.config_file"]``) for the
+server address and timeouts; explicit ``lmcache.mp.*`` entries win.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector as StockLMCacheMPConnector
+from lmcache.integration.vllm.lmcache_mp_metadata import (
+    LMCacheMPConnectorMetadata,
+    LMCacheMPRequestMetadata,
+    LMCacheMPRequestState,
+)
+from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from lmcache_r3.artifacts import TokenRange
+from lmcache_r3.config import load_connector_config, stock_connector_extra_config
+from lmcache_r3.mp import planning
+from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
+SEPARATE_GROUPS_KEY = "lmcache_r3.separate_object_groups"
+NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
+
+
+class ConnectorCounters:
+    """What the fixes did, for logs and tests (scheduler and worker roles each keep their own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, int] = {
+            "partial_admissions": 0,
+            "zero_admissions": 0,
+            "locks_released_early_chunks": 0,
+            "retrieves": 0,
+            "retrieves_failed_closed": 0,
+            "stores_trimmed_at_null_block": 0,
+            "null_block_ops_refused": 0,
+        }
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self.values[name] += value
+
+
+def resolve_extra_config(
+    extra_config: dict[str, Any], kv_cache_config: Any, separate_object_groups: bool
+) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` LMCache's connector is built with.
+
+    Server address and timeouts come from the lmcache_r3 config file unless set explicitly. A hybrid model
+    (several KV groups) needs lmcache_driven transfer: LMCache 0.5.6's engine-driven transfer handles one group.
+
+    Raises:
+        ValueError: a hybrid model with ``lmcache.mp.mp_transfer_mode=engine_driven``; the message names the mode
+            that works.
+    """
+    config = load_connector_config(extra_config)
+    merged = stock_connector_extra_config(config, extra_config)
+    num_groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if num_groups > 1:
+        mode = merged.get(TRANSFER_MODE_KEY)
+        if mode == "engine_driven":
+            raise ValueError(
+                f"{TRANSFER_MODE_KEY}=engine_driven cannot serve this model: it has {num_groups} KV cache groups "
+                "(a hybrid model) and LMCache 0.5.6 engine-driven transfer supports one. Set "
+                f'"{TRANSFER_MODE_KEY}": "lmcache_driven" in kv_connector_extra_config (the server must accept it: '
+                "transfer_mode auto or lmcache_driven)."
+            )
+        merged[TRANSFER_MODE_KEY] = "lmcache_driven"
+    merged.setdefault(
+        SEPARATE_GROUPS_KEY, separate_object_groups or "--separate-object-groups" in config.server.extra_args
+    )
+    return merged
+
+
+class LMCacheMPConnector(StockLMCacheMPConnector):
+    """LMCache's MP connector with the admitted-range, null-block, store-window and coverage rules."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        transfer_config = vllm_config.kv_transfer_config
+        extra = transfer_config.kv_connector_extra_config
+        merged = resolve_extra_config(dict(extra), kv_cache_config, bool(extra.get(SEPARATE_GROUPS_KEY, False)))
+        extra.clear()
+        extra.update(merged)
+        if transfer_config.kv_load_failure_policy != "recompute":
+            # A retrieve this connector refuses (fail closed) must end in recomputation, not a failed request.
+            logger.info("lmcache_r3: kv_load_failure_policy set to 'recompute' (was %r)",
+                        transfer_config.kv_load_failure_policy)  # fmt: skip
+            transfer_config.kv_load_failure_policy = "recompute"
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.lazy_offload and len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
+            raise ValueError("lmcache.mp.lazy_offload is not supported with hybrid models by lmcache_r3; remove it")
+        self.counters = ConnectorCounters()
+        self._group_windows = group_windows(kv_cache_config) or [-1] * len(self._group_tokens_per_block)
+        self._recurrent = has_recurrent_group(kv_cache_config)
+        self._separate_object_groups = bool(merged[SEPARATE_GROUPS_KEY])
+        # Scheduler-side state, keyed by request id.
+        self._admissions: dict[str, planning.AdmittedRange] = {}
+        self._computed_at_lookup: dict[str, int] = {}
+        self._store_stopped: set[str] = set()
+        self._failed_retrieves: list[tuple[str, list[int]]] = []
+
+    # ==============================================================================================
+    # Scheduler side, in call order
+    # ==============================================================================================
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """LMCache's lookup; the unrounded local hit is kept, since admitted tokens follow it."""
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if result[0] is not None:
+            self._computed_at_lookup[request.request_id] = num_computed_tokens
+        return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Record the admission: bound the retrieve by it and free every lookup lock no retrieve will consume."""
+        request_id = request.request_id
+        tracker = self._get_request_tracker(request_id)
+        if tracker.state != LMCacheMPRequestState.PREFETCHING:
+            # A later call (blocks for the rest of the prompt) or a bypassed request: block bookkeeping only.
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        self._track_new_blocks(tracker, blocks)
+        self.scheduler_adapter.cleanup_lookup_result(request_id)
+        computed = max(self._computed_at_lookup.pop(request_id, 0), tracker.num_vllm_hit_tokens)
+        admitted = num_external_tokens if tracker.needs_retrieve() else 0
+        admission = planning.admitted_range(
+            chunk_size=self.scheduler_adapter.lmcache_tokens_per_chunk,
+            num_vllm_hit_tokens=tracker.num_vllm_hit_tokens,
+            num_lookup_hit_tokens=tracker.num_lmcache_hit_tokens,
+            num_admitted_external_tokens=admitted,
+            num_computed_tokens=computed,
+        )
+        for locked in admission.release_now:
+            self._free_locks(tracker, locked)
+        if admission.retrieve is None:
+            if tracker.num_lmcache_hit_tokens > tracker.num_vllm_hit_tokens:
+                self.counters.add("zero_admissions")
+            tracker.state = LMCacheMPRequestState.READY
+            return
+        if admission.retrieve.end < tracker.num_lmcache_hit_tokens:
+            self.counters.add("partial_admissions")
+            chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+            self.counters.add(
+                "locks_released_early_chunks", (tracker.num_lmcache_hit_tokens - admission.retrieve.end) // chunk
+            )
+        tracker.state = LMCacheMPRequestState.WAITING_FOR_LOAD
+        self._admissions[request_id] = admission
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
+        metadata = super().build_connector_meta(scheduler_output)
+        # Retrieves refused on the scheduler side travel to the worker, which reports them as failed loads.
+        metadata.failed_retrieves = self._failed_retrieves
+        self._failed_retrieves = []
+        return metadata
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return super().request_finished(request, block_ids)
+
+    # -- retrieve planning --------------------------------------------------------------------------------------
+    def _process_retrieve_requests(self, metadata: LMCacheMPConnectorMetadata) -> None:
+        for tracker in list(self.request_trackers.values()):
+            if tracker.state != LMCacheMPRequestState.WAITING_FOR_LOAD:
+                continue
+            tracker.state = LMCacheMPRequestState.READY
+            request_metadata = self._plan_retrieve(tracker)
+            if request_metadata is not None:
+                metadata.add_request_metadata(request_metadata)
+
+    def _plan_retrieve(self, tracker: Any) -> LMCacheMPRequestMetadata | None:
+        request_id = tracker.request_id
+        chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+        admission = self._admissions.pop(request_id, None) or planning.admitted_range(
+            chunk_size=chunk,
+            num_vllm_hit_tokens=tracker.num_vllm_hit_tokens,
+            num_lookup_hit_tokens=tracker.num_lmcache_hit_tokens,
+            num_admitted_external_tokens=planning.NEVER_ADMITTED,
+        )
+        if admission.retrieve is None:
+            return None
+        allocated = [tracker.allocated_block_ids.get(g, []) for g in range(len(self._group_tokens_per_block))]
+        plan = planning.plan_retrieve(
+            admission.retrieve,
+            allocated,
+            self._group_tokens_per_block,
+            chunk,
+            skip_first_n_tokens=admission.skip_first_n_tokens,
+        )
+        if plan.kind != "retrieve":
+            return self._fail_closed(tracker, admission, allocated, plan.reason)
+        if self._recurrent and (admission.exact_admitted_end or 0) < admission.retrieve.end:
+            return self._fail_closed(
+                tracker,
+                admission,
+                allocated,
+                f"the scheduler admitted tokens up to {admission.exact_admitted_end}, inside the chunk ending at "
+                f"{admission.retrieve.end}; restoring that chunk would give the recurrent state of a later position",
+            )
+        fit = planning.fit_stock_retrieve(
+            plan,
+            group_sw_size_tokens=self._group_windows,
+            separate_object_groups=self._separate_object_groups,
+            num_lookup_hit_tokens=tracker.num_lmcache_hit_tokens,
+        )
+        if not fit.ok:
+            return self._fail_closed(tracker, admission, allocated, fit.reason)
+        self.counters.add("retrieves")
+        op = LoadStoreOp(
+            token_ids=tracker.get_token_ids(),
+            block_ids=[list(ids) for ids in fit.block_ids],
+            start=admission.retrieve.start,
+            end=admission.retrieve.end,
+            skip_first_n_tokens=admission.skip_first_n_tokens,
+        )
+        return LMCacheMPRequestMetadata(
+            request_id=request_id,
+            direction="RETRIEVE",
+            op=op,
+            cache_salt=tracker.cache_salt,
+            request_configs=tracker.request_configs,
+        )
+
+    def _fail_closed(self, tracker: Any, admission: Any, allocated: list[list[int]], reason: str) -> None:
+        self.counters.add("retrieves_failed_closed")
+        logger.warning("lmcache_r3: request %s recomputes instead of retrieving %s: %s",
+                       tracker.request_id, admission.retrieve, reason)  # fmt: skip
+        self._free_locks(tracker, admission.retrieve)
+        flat = _destination_blocks(allocated, self._group_tokens_per_block, admission.retrieve)
+        self._failed_retrieves.append((tracker.request_id, flat))
+        return None
+
+    # -- store window ------------------------------------------------------------------------------------------
+    def _process_new_requests(self, scheduler_output: Any, metadata: LMCacheMPConnectorMetadata) -> None:
+        staged = LMCacheMPConnectorMetadata()
+        super()._process_new_requests(scheduler_output, staged)
+        self._admit_stores(staged, metadata)
+
+    def _process_cached_requests(self, scheduler_output: Any, metadata: LMCacheMPConnectorMetadata) -> None:
+        staged = LMCacheMPConnectorMetadata()
+        super()._process_cached_requests(scheduler_output, staged)
+        self._admit_stores(staged, metadata)
+
+    def _admit_stores(self, staged: LMCacheMPConnectorMetadata, metadata: LMCacheMPConnectorMetadata) -> None:
+        """Trim each store LMCache planned to its window; nothing of a request is stored past a null chunk."""
+        for entry in staged.requests:
+            if entry.direction != "STORE":
+                metadata.add_request_metadata(entry)
+                continue
+            request_id = entry.request_id
+            if request_id in self._store_stopped:
+                continue
+            tracker = self._get_request_tracker(request_id)
+            allocated = [tracker.allocated_block_ids.get(g, []) for g in range(len(self._group_tokens_per_block))]
+            window = planning.store_window(
+                TokenRange(entry.op.start, entry.op.end),
+                allocated,
+                self._group_tokens_per_block,
+                self.scheduler_adapter.lmcache_tokens_per_chunk,
+            )
+            if window.stop:
+                self._store_stopped.add(request_id)
+                self.counters.add("stores_trimmed_at_null_block")
+            if window.tokens.end == window.tokens.start:
+                continue
+            entry.op.end = window.tokens.end
+            entry.op.block_ids = [list(ids) for ids in window.block_ids]
+            metadata.add_request_metadata(entry)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def _track_new_blocks(self, tracker: Any, blocks: Any) -> None:
+        """Append the blocks beyond those already tracked, per group (the first call tracks them all)."""
+        block_ids = blocks.get_block_ids() or ()
+        tracked = tracker.num_allocated_blocks()
+        new = [list(ids[tracked.get(group, 0) :]) for group, ids in enumerate(block_ids)]
+        if any(new):
+            tracker.append_block_ids(tuple(new), self._mamba_relocation_window)
+
+    def _free_locks(self, tracker: Any, locked: TokenRange) -> None:
+        if locked.end > locked.start:
+            self.scheduler_adapter.free_lookup_locks(
+                token_ids=tracker.get_token_ids(),
+                start=locked.start,
+                end=locked.end,
+                request_id=tracker.request_id,
+                cache_salt=tracker.cache_salt,
+                request_configs=tracker.request_configs,
+            )
+
+    def _forget(self, request_id: str) -> None:
+        self._admissions.pop(request_id, None)
+        self._computed_at_lookup.pop(request_id, None)
+        self._store_stopped.discard(request_id)
+
+    def _get_or_create_request_tracker(self, request: Any) -> Any:
+        before = self.request_trackers.get(request.request_id)
+        tracker = super()._get_or_create_request_tracker(request)
+        if before is not None and tracker is not before:
+            self._forget(request.request_id)  # a preempted request starts over with a fresh tracker
+        return tracker
+
+    # ==============================================================================================
+    # Worker side
+    # ==============================================================================================
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Report refused retrieves as failed loads, refuse any that would write the null block, then load."""
+        metadata = self._get_connector_metadata()
+        for request_id, block_ids in getattr(metadata, "failed_retrieves", ()):
+            report_unsubmitted_retrieve_failed(self.worker_adapter, request_id, block_ids)
+        self._refuse_null_block_ops(metadata, "RETRIEVE")
+        super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        """Refuse any store that would read the null block, then store."""
+        self._refuse_null_block_ops(self._get_connector_metadata(), "STORE")
+        super().wait_for_save()
+
+    def _refuse_null_block_ops(self, metadata: Any, direction: str) -> None:
+        kept = []
+        for entry in metadata.requests:
+            if entry.direction == direction and _touches_null_block(entry.op):
+                self.counters.add("null_block_ops_refused")
+                logger.error("lmcache_r3: refusing a %s of request %s that names the null block: %s",
+                             direction, entry.request_id, entry.op.block_ids)  # fmt: skip
+                if direction == "RETRIEVE":
+                    flat = [b for ids in entry.op.block_ids for b in ids if b not in (NULL_BLOCK_ID, -1)]
+                    report_unsubmitted_retrieve_failed(self.worker_adapter, entry.request_id, flat)
+                continue
+            kept.append(entry)
+        metadata.requests[:] = kept
+
+
+def _destination_blocks(allocated: list[list[int]], tokens_per_block: list[int], tokens: TokenRange) -> list[int]:
+    """The real (non-null) blocks the request holds for ``tokens``, in every group; what vLLM must recompute."""
+    blocks: set[int] = set()
+    for block_ids, group_tokens_per_block in zip(allocated, tokens_per_block, strict=True):
+        if group_tokens_per_block:
+            indices = planning.block_index_range(tokens, group_tokens_per_block)
+            blocks.update(b for b in block_ids[indices.start : indices.stop] if b != NULL_BLOCK_ID)
+    return sorted(blocks)
+
+
+def _touches_null_block(op: LoadStoreOp) -> bool:
+    block_ids = op.block_ids
+    groups = [block_ids] if block_ids and isinstance(block_ids[0], int) else block_ids
+    return any(b in (NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID) for ids in groups for b in ids)

@@ -1,0 +1,52 @@
+"""The few places where lmcache_r3 relies on internals of LMCache 0.5.6 and vLLM 0.32, each in one function.
+
+Every function here names the version and the file it depends on; ``tests/unit/test_stock_adapter.py`` fails
+loudly when an upgrade moves any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def report_unsubmitted_retrieve_failed(worker_adapter: Any, request_id: str, block_ids: Iterable[int]) -> None:
+    """Make the worker report a retrieve it decided not to submit as a failed load, exactly once.
+
+    LMCache 0.5.6 has this path for retrieves dropped while the server is unhealthy
+    (``vllm_multi_process_adapter.py``, ``submit_retrieve_request``): the request id goes to ``_dropped_retrieves``
+    (so ``get_finished`` reports the receive as finished once and the request leaves WAITING_FOR_REMOTE_KVS) and to
+    ``_failed_request_ids`` (request-level failure, what vLLM needs for several KV groups); ``error_block_ids``
+    carries the block-level failure that vLLM uses for one KV group. vLLM then recomputes the request.
+    """
+    worker_adapter.error_block_ids.update(block_ids)
+    worker_adapter._failed_request_ids.add(request_id)
+    worker_adapter._dropped_retrieves.add(request_id)
+
+
+def group_windows(kv_cache_config: Any) -> list[int]:
+    """Per vLLM KV cache group, the cross-chunk window LMCache 0.5.6 registers for it, in tokens.
+
+    The sliding window of a sliding-window group, the block size of an align-mode Mamba group (one recurrent
+    checkpoint per block), ``-1`` for full attention (``integration/vllm/kv_cache_groups.py``,
+    ``_resolve_per_layer_sw_sizes``).
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    windows = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(int(spec.sliding_window))
+        elif isinstance(spec, MambaSpec):
+            windows.append(int(spec.block_size))
+        else:
+            windows.append(-1)
+    return windows
+
+
+def has_recurrent_group(kv_cache_config: Any) -> bool:
+    """Whether any KV cache group holds recurrent (Mamba / linear-attention) state."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return any(isinstance(g.kv_cache_spec, MambaSpec) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ())

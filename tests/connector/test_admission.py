@@ -1,0 +1,158 @@
+"""Retrieves stop at what the scheduler admitted, and lookup locks past it are released at once.
+
+Real vLLM scheduler-side connector and worker-side connector (lmcache_r3's), a real LMCache server; the
+scheduler's admission is played directly (``update_state_after_alloc`` with the blocks an async load allocates),
+as vLLM does when it admits fewer external tokens than the lookup hit.
+"""
+
+import time
+
+import pytest
+from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata
+
+from tests.support.harness import BLOCK_SIZE
+
+pytestmark = pytest.mark.harness
+
+OURS = "lmcache_r3.mp.connector"
+CHUNK = 64  # the shared server's chunk size: two 32-token blocks
+
+
+class AllocatedBlocks:
+    """What ``kv_cache_manager.get_blocks`` hands the connector: one block-id list per KV group."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self, *args, **kwargs):
+        return self.ids
+
+
+def prompt(seed, length):
+    return [10 + (seed * 131 + 7 * i) % 1000 for i in range(length)]
+
+
+def lookup(connector, request, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hit, is_async = connector.get_num_new_matched_tokens(request, 0)
+        if hit is not None:
+            return hit, is_async
+        assert time.monotonic() < deadline, "lookup did not answer"
+        time.sleep(0.01)
+
+
+def wait_locks(server, expected, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while (count := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
+
+
+def run_retrieve(harness, metadata, request_id, timeout_s=30.0):
+    """Hand the scheduler's metadata to the worker as one engine step would, and wait for the load's outcome."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, harness.vllm_config):
+        harness.worker.bind_connector_metadata(metadata)
+        harness.worker.start_load_kv(None)
+        harness.worker.clear_connector_metadata()
+    finished, failed = set(), set()
+    deadline = time.monotonic() + timeout_s
+    while request_id not in finished and time.monotonic() < deadline:
+        results = harness.worker.get_transfer_results(set())
+        finished |= set(results.finished_recving)
+        failed |= set(results.failed_recving) | (
+            {request_id} if harness.worker.get_block_ids_with_load_errors() else set()
+        )
+        time.sleep(0.01)
+    return request_id in finished, request_id in failed
+
+
+def stored_prompt(harness, seed, num_chunks):
+    tokens = prompt(seed, num_chunks * CHUNK + 8)
+    harness.generate([(f"store-{seed}", tokens)])
+    blocks = harness.block_tables[f"store-{seed}"][0][: num_chunks * CHUNK // BLOCK_SIZE]
+    return tokens, harness.attention_bytes(blocks)
+
+
+@pytest.mark.parametrize("transfer_mode", ["lmcache_driven", "engine_driven"])
+@pytest.mark.parametrize("admitted", [64, 100, 128])
+def test_partial_admission_retrieves_exactly_the_admitted_chunks_and_frees_the_rest_at_once(
+    scheduler_harness_factory, lmcache_server, transfer_mode, admitted
+):
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS, transfer_mode=transfer_mode)
+    tokens, saved = stored_prompt(harness, seed=10 + admitted + len(transfer_mode), num_chunks=4)
+    connector = harness.scheduler.connector
+    request = harness.make_request(f"C-{admitted}", tokens + [901, 902])
+    hit, is_async = lookup(connector, request)
+    assert (hit, is_async) == (4 * CHUNK, True)
+    assert wait_locks(lmcache_server, 4) == 4  # the lookup locked the 4 hit chunks
+
+    # An async load allocates blocks for the admitted tokens only.
+    blocks = [[40 + i for i in range(-(-admitted // BLOCK_SIZE))]]
+    connector.update_state_after_alloc(request, AllocatedBlocks(blocks), admitted)
+    admitted_chunks = -(-admitted // CHUNK)
+    assert wait_locks(lmcache_server, admitted_chunks) == admitted_chunks, "locks past the admitted end stay held"
+
+    metadata = LMCacheMPConnectorMetadata()
+    connector._process_retrieve_requests(metadata)
+    (retrieve,) = [m for m in metadata.requests if m.direction == "RETRIEVE"]
+    assert (retrieve.op.start, retrieve.op.end) == (0, admitted_chunks * CHUNK)
+    done, failed = run_retrieve(harness, metadata, request.request_id)
+    assert done and not failed
+    loaded = harness.attention_bytes(blocks[0])
+    for layer, data in loaded.items():
+        assert data == saved[layer][: len(data)], f"{layer}: loaded KV differs from what was stored"
+    assert wait_locks(lmcache_server, 0) == 0
+    connector.request_finished(request, blocks[0])
+
+
+def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_left(
+    scheduler_harness_factory, lmcache_server
+):
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS)
+    tokens, _ = stored_prompt(harness, seed=55, num_chunks=4)
+    connector = harness.scheduler.connector
+    request = harness.make_request("P", tokens + [901])
+    assert lookup(connector, request)[0] == 4 * CHUNK
+    # 32 admitted tokens get one 32-token block, but the chunk holding them spans two: the coverage guard refuses.
+    connector.update_state_after_alloc(request, AllocatedBlocks([[44]]), 32)
+    metadata = connector.build_connector_meta(_empty_scheduler_output())
+    assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
+    done, failed = run_retrieve(harness, metadata, request.request_id)
+    assert done and failed, "the refused load must be reported as finished and failed, so vLLM recomputes"
+    assert wait_locks(lmcache_server, 0) == 0
+    assert connector.counters.values["retrieves_failed_closed"] == 1
+    connector.request_finished(request, [44])
+
+
+def _empty_scheduler_output():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[],
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_factory, lmcache_server):
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS)
+    tokens, _ = stored_prompt(harness, seed=77, num_chunks=3)
+    connector = harness.scheduler.connector
+    request = harness.make_request("Z", tokens + [5])
+    assert lookup(connector, request)[0] == 3 * CHUNK
+    connector.update_state_after_alloc(request, AllocatedBlocks([[41]]), 0)
+    assert wait_locks(lmcache_server, 0) == 0
+    metadata = LMCacheMPConnectorMetadata()
+    connector._process_retrieve_requests(metadata)
+    assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
+    assert connector.counters.values["zero_admissions"] == 1
+    connector.request_finished(request, [41])
