@@ -22,7 +22,10 @@ from lmcache_r3.mp.server_process import LMCacheServer, loopback_settings, start
 
 BLOCK_SIZE = 32
 CHUNK_SIZE = 64
-STOCK_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+CONNECTOR_MODULES = {
+    "lmcache_r3": "lmcache_r3.mp.connector",
+    "stock": "lmcache.integration.vllm.lmcache_mp_connector",
+}
 
 
 @dataclass
@@ -40,6 +43,9 @@ class DemoResult:
     second: RequestResult
     lmcache_objects: int
     engine_start_s: float
+    connector: str
+    baseline_tokens: list[int] | None = None
+    """Greedy tokens of the same prompt from an engine without any KV connector, when asked for."""
 
     @property
     def prefix_from_lmcache(self) -> bool:
@@ -50,8 +56,12 @@ class DemoResult:
         return self.first.output_tokens == self.second.output_tokens
 
     @property
+    def matches_baseline(self) -> bool | None:
+        return None if self.baseline_tokens is None else self.baseline_tokens == self.first.output_tokens
+
+    @property
     def ok(self) -> bool:
-        return self.prefix_from_lmcache and self.tokens_equal
+        return self.prefix_from_lmcache and self.tokens_equal and self.matches_baseline is not False
 
 
 def demo_prompt(num_tokens: int) -> list[int]:
@@ -59,12 +69,10 @@ def demo_prompt(num_tokens: int) -> list[int]:
     return [FIRST_WORD_ID + (17 * i + 5) % 1000 for i in range(num_tokens)]
 
 
-def run_demo(server: LMCacheServer, model_dir: Path, prompt_tokens: int = 200, max_tokens: int = 16) -> DemoResult:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def make_llm(model_dir: Path, kv_transfer_config: dict | None):
+    from vllm import LLM
 
-    started = time.monotonic()
-    llm = LLM(
+    return LLM(
         model=str(model_dir),
         dtype="float32",
         max_model_len=1024,
@@ -74,9 +82,40 @@ def run_demo(server: LMCacheServer, model_dir: Path, prompt_tokens: int = 200, m
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
-        kv_transfer_config={
+        kv_transfer_config=kv_transfer_config,
+    )
+
+
+def greedy_tokens_without_connector(model_dir: Path, prompt_tokens: int, max_tokens: int) -> list[int]:
+    """The reference: the same prompt on an engine with no KV connector at all."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(model_dir, None)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=demo_prompt(prompt_tokens))], greedy, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def run_demo(
+    server: LMCacheServer,
+    model_dir: Path,
+    connector: str = "lmcache_r3",
+    prompt_tokens: int = 200,
+    max_tokens: int = 16,
+) -> DemoResult:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.monotonic()
+    llm = make_llm(
+        model_dir,
+        {
             "kv_connector": "LMCacheMPConnector",
-            "kv_connector_module_path": STOCK_CONNECTOR_MODULE,
+            "kv_connector_module_path": CONNECTOR_MODULES[connector],
             "kv_role": "kv_both",
             "kv_connector_extra_config": server.connector_extra_config(),
         },
@@ -106,7 +145,9 @@ def run_demo(server: LMCacheServer, model_dir: Path, prompt_tokens: int = 200, m
     finally:
         # Stop the engine while the server still answers, so the connector unregisters cleanly.
         llm.llm_engine.engine_core.shutdown()
-    return DemoResult(first=first, second=second, lmcache_objects=objects, engine_start_s=engine_start_s)
+    return DemoResult(
+        first=first, second=second, lmcache_objects=objects, engine_start_s=engine_start_s, connector=connector
+    )
 
 
 def _wait_for_objects(server: LMCacheServer, expected: int, timeout_s: float = 30.0) -> int:
@@ -129,6 +170,9 @@ def print_report(result: DemoResult) -> None:
     verdict = "yes" if result.prefix_from_lmcache else "NO"
     print(f"  second request's prefix served by LMCache: {verdict} ({result.second.cached_tokens} tokens)")
     print(f"  greedy tokens identical: {'yes' if result.tokens_equal else 'NO'}")
+    if result.baseline_tokens is not None:
+        same = "yes" if result.matches_baseline else "NO"
+        print(f"  identical to an engine without any KV connector: {same}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="which tiny MoE model to run")
     parser.add_argument("--model-cache", type=Path, default=None, help="where tiny models are built and kept")
+    parser.add_argument("--connector", choices=sorted(CONNECTOR_MODULES), default="lmcache_r3")
+    parser.add_argument(
+        "--compare-without-connector",
+        action="store_true",
+        help="also run the prompt on an engine without any connector",
+    )
     args = parser.parse_args(argv)
 
     exit_on_sigterm()
@@ -160,16 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server(settings, workdir / "lmcache-server.log")
     try:
         print(f"      ready, pid {server.pid}")
-        print("[3/3] vLLM (CPU) with the LMCache MP connector: the same prompt twice, prefix cache reset between")
-        result = run_demo(server, model_dir)
+        print(
+            f"[3/3] vLLM (CPU) with the {args.connector} LMCache MP connector: one prompt twice, "
+            "vLLM's prefix cache reset between"
+        )
+        result = run_demo(server, model_dir, connector=args.connector)
     finally:
         server.stop()
+    if args.compare_without_connector:
+        result.baseline_tokens = greedy_tokens_without_connector(model_dir, result.first.prompt_tokens, 16)
     print(f"      engine started in {result.engine_start_s:.1f} s")
     print_report(result)
     if args.json:
         payload = asdict(result) | {
             "prefix_from_lmcache": result.prefix_from_lmcache,
             "tokens_equal": result.tokens_equal,
+            "matches_baseline": result.matches_baseline,
             "ok": result.ok,
         }
         args.json.write_text(json.dumps(payload, indent=2))

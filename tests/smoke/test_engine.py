@@ -11,8 +11,11 @@ import pytest
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.parametrize("shape", ["small", "wide"])
-def test_prefix_served_by_lmcache_gives_identical_greedy_tokens(shape, tmp_path, model_cache_dir):
+@pytest.mark.parametrize(
+    ("shape", "connector", "baseline"),
+    [("small", "lmcache_r3", True), ("wide", "lmcache_r3", False), ("small", "stock", False)],
+)
+def test_prefix_served_by_lmcache_gives_identical_greedy_tokens(shape, connector, baseline, tmp_path, model_cache_dir):
     result_file = tmp_path / "result.json"
     proc = subprocess.run(
         [
@@ -27,6 +30,9 @@ def test_prefix_served_by_lmcache_gives_identical_greedy_tokens(shape, tmp_path,
             str(result_file),
             "--model-cache",
             str(model_cache_dir),
+            "--connector",
+            connector,
+            *(["--compare-without-connector"] if baseline else []),
         ],
         capture_output=True,
         text=True,
@@ -39,3 +45,5 @@ def test_prefix_served_by_lmcache_gives_identical_greedy_tokens(shape, tmp_path,
     assert result["second"]["cached_tokens"] == 192
     assert result["second"]["output_tokens"] == result["first"]["output_tokens"]
     assert len(result["first"]["output_tokens"]) == 16
+    if baseline:
+        assert result["baseline_tokens"] == result["first"]["output_tokens"], "the connector changed greedy output"

@@ -1,0 +1,28 @@
+"""The LMCache 0.5.6 / vLLM 0.32 internals lmcache_r3 relies on are where it expects them (fails on an upgrade)."""
+
+import pytest
+
+from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
+from tests.support.harness import BLOCK_SIZE
+
+pytestmark = pytest.mark.harness
+
+
+def test_a_refused_retrieve_is_reported_once_as_finished_and_failed(scheduler_harness_factory):
+    harness = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
+    adapter = harness.worker.worker_adapter
+    report_unsubmitted_retrieve_failed(adapter, "R", [5, 6])
+    results = harness.worker.get_transfer_results(set())
+    assert "R" in results.finished_recving
+    assert harness.worker.get_block_ids_with_load_errors() == {5, 6}
+    again = harness.worker.get_transfer_results(set())
+    assert "R" not in again.finished_recving, "reported more than once"
+
+
+def test_group_windows_follow_lmcache_registration(scheduler_harness_factory):
+    hybrid = scheduler_harness_factory(kind="hybrid", connector_module="lmcache_r3.mp.connector")
+    assert group_windows(hybrid.kv_cache_config) == [-1, BLOCK_SIZE]
+    assert has_recurrent_group(hybrid.kv_cache_config)
+    dense = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
+    assert group_windows(dense.kv_cache_config) == [-1]
+    assert not has_recurrent_group(dense.kv_cache_config)
