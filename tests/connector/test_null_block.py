@@ -147,3 +147,29 @@ def test_hybrid_model_with_engine_driven_transfer_is_refused_naming_the_mode_tha
 ):
     with pytest.raises(ValueError, match='"lmcache.mp.mp_transfer_mode": "lmcache_driven"'):
         scheduler_harness_factory(kind="hybrid", connector_module=OURS, transfer_mode="engine_driven")
+
+
+def test_hybrid_partial_admission_recomputes_and_frees_every_lock(scheduler_harness_factory, hybrid_server):
+    """A recurrent group restores the state at a chunk's end; when the scheduler admits less than the hit, no stock
+    RETRIEVE can restore the state at the admitted end, so the request recomputes, with no lock left behind."""
+    server, _, _ = hybrid_server
+    harness = hybrid_harness(scheduler_harness_factory, hybrid_server)
+    tokens = [10 + (23 * i + 11) % 1000 for i in range(4 * CHUNK + 6)]
+    harness.generate([("H", tokens)])
+    connector = harness.scheduler.connector
+    request = harness.make_request("K", tokens + [3])
+    hit, _ = lookup(connector, request)
+    assert hit == 4 * CHUNK
+    admitted = 2 * CHUNK
+    attention = [30 + i for i in range(admitted // BLOCK_SIZE)]
+    recurrent = [0] * (admitted // BLOCK_SIZE - 1) + [40]
+    connector.update_state_after_alloc(request, AllocatedBlocks([attention, recurrent]), admitted)
+    assert wait_locks(server, 2) == 2, "locks past the admitted end are freed at admission"
+    metadata = LMCacheMPConnectorMetadata()
+    connector._process_retrieve_requests(metadata)
+    metadata.failed_retrieves = connector._failed_retrieves
+    done, failed = run_retrieve(harness, metadata, "K")
+    assert done and failed
+    assert wait_locks(server, 0) == 0
+    assert harness.null_block_changed_bytes() == 0
+    connector.request_finished(request, attention)
