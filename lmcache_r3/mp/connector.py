@@ -61,6 +61,7 @@ class ConnectorCounters:
             "retrieves_failed_closed": 0,
             "stores_trimmed_at_null_block": 0,
             "null_block_ops_refused": 0,
+            "store_flushes_before_block_reuse": 0,
         }
 
     def add(self, name: str, value: int = 1) -> None:
@@ -124,13 +125,28 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._admissions: dict[str, planning.AdmittedRange] = {}
         self._computed_at_lookup: dict[str, int] = {}
         self._store_stopped: set[str] = set()
+        self._recompute_only: set[str] = set()
         self._failed_retrieves: list[tuple[str, list[int]]] = []
+        self._unflushed_store_blocks: set[int] = set()
 
     # ==============================================================================================
     # Scheduler side, in call order
     # ==============================================================================================
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """LMCache's lookup; the unrounded local hit is kept, since admitted tokens follow it."""
+        """LMCache's lookup; the unrounded local hit is kept, since admitted tokens follow it.
+
+        A request whose retrieve failed closed is not looked up again: it recomputes. LMCache 0.5.6 bypasses a failed
+        load with a tracker state, but drops a preempted request's tracker at every call here, so a preempted request
+        would look up, be refused and be reset again at every step, and never run.
+        """
+        if request.request_id in self._recompute_only:
+            tracker = self._get_or_create_request_tracker(request)
+            if tracker.state != LMCacheMPRequestState.BYPASS_LMCACHE:  # as LMCache's own bypass of a failed load
+                self.scheduler_adapter.cleanup_lookup_result(request.request_id)
+                tracker.allocated_block_ids.clear()
+                tracker.num_stored_tokens = tracker.num_vllm_hit_tokens = tracker.num_lmcache_hit_tokens = 0
+                tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+            return 0, False
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if result[0] is not None:
             self._computed_at_lookup[request.request_id] = num_computed_tokens
@@ -176,10 +192,40 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         # Retrieves refused on the scheduler side travel to the worker, which reports them as failed loads.
         metadata.failed_retrieves = self._failed_retrieves
         self._failed_retrieves = []
+        if self._recurrent:
+            self._flush_before_block_reuse(scheduler_output, metadata)
         return metadata
+
+    def _flush_before_block_reuse(self, scheduler_output: Any, metadata: LMCacheMPConnectorMetadata) -> None:
+        """Have the worker wait for in-flight stores before this step writes a block one of them still reads.
+
+        The server copies a stored block after the forward pass that produced it, and the engine does not wait for
+        the copy. LMCache 0.5.6 flushes in-flight stores before the next forward pass only when a request was
+        preempted; but vLLM also frees blocks in mid-request (align-mode Mamba retires a recurrent checkpoint two
+        steps after writing it) and hands them to any request, whose forward pass or retrieve then overwrites them
+        while the server may still be reading them: the stored object would hold some other position's bytes.
+        """
+        handed_out: set[int] = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            handed_out.update(b for ids in new.block_ids for b in ids)
+        for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            handed_out.update(b for ids in new_ids or () for b in ids)
+        for entry in metadata.requests:
+            if entry.direction == "RETRIEVE":
+                handed_out.update(_flat_block_ids(entry.op))
+        if not metadata.need_flush_before_forward and self._unflushed_store_blocks & handed_out:
+            metadata.need_flush_before_forward = True
+            self.counters.add("store_flushes_before_block_reuse")
+        if metadata.need_flush_before_forward:
+            self._unflushed_store_blocks.clear()
+        for entry in metadata.requests:
+            if entry.direction == "STORE":  # submitted after this step's forward pass: a later step's flush waits
+                self._unflushed_store_blocks.update(_flat_block_ids(entry.op))
+        self._unflushed_store_blocks -= {NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._forget(request.request_id)
+        self._recompute_only.discard(request.request_id)
         return super().request_finished(request, block_ids)
 
     # -- retrieve planning --------------------------------------------------------------------------------------
@@ -247,6 +293,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def _fail_closed(self, tracker: Any, admission: Any, allocated: list[list[int]], reason: str) -> None:
         self.counters.add("retrieves_failed_closed")
+        self._recompute_only.add(tracker.request_id)
         logger.warning("lmcache_r3: request %s recomputes instead of retrieving %s: %s",
                        tracker.request_id, admission.retrieve, reason)  # fmt: skip
         self._free_locks(tracker, admission.retrieve)
@@ -364,7 +411,12 @@ def _destination_blocks(allocated: list[list[int]], tokens_per_block: list[int],
     return sorted(blocks)
 
 
-def _touches_null_block(op: LoadStoreOp) -> bool:
+def _flat_block_ids(op: LoadStoreOp) -> list[int]:
+    """Every block id of an operation, whether it holds one list (one group) or one list per group."""
     block_ids = op.block_ids
     groups = [block_ids] if block_ids and isinstance(block_ids[0], int) else block_ids
-    return any(b in (NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID) for ids in groups for b in ids)
+    return [b for ids in groups for b in ids]
+
+
+def _touches_null_block(op: LoadStoreOp) -> bool:
+    return any(b in (NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID) for b in _flat_block_ids(op))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -215,6 +215,9 @@ class SchedulerHarness:
         self.real_blocks: dict[str, list[dict[int, int]]] = {}
         """Per request and group, block index -> the last non-null block id it ever had (align-mode Mamba
         replaces a request's older checkpoints by the null block as it advances)."""
+        self.forward_hook: Callable[[Any], None] | None = None
+        """Called with each step's ``SchedulerOutput`` between the connector's load and its save, where a model's
+        forward pass reads and writes the KV (a test that emulates the model sets it; ``None``: no model)."""
 
     # -- KV bytes --------------------------------------------------------------------------------------------
     def _fill_random_with_null_sentinel(self) -> None:
@@ -287,6 +290,8 @@ class SchedulerHarness:
             self.worker.handle_preemptions(meta)
             self.worker.bind_connector_metadata(meta)
             self.worker.start_load_kv(None)
+            if self.forward_hook is not None:
+                self.forward_hook(out)
             self.worker.wait_for_save()
             results = self.worker.get_transfer_results(out.finished_req_ids)
             connector_output = KVConnectorOutput(
