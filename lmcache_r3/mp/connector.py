@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_r3.artifacts import TokenRange
 from lmcache_r3.config import load_connector_config, stock_connector_extra_config
-from lmcache_r3.mp import planning
+from lmcache_r3.mp import planning, stock_fit
 from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                 f"the scheduler admitted tokens up to {admission.exact_admitted_end}, inside the chunk ending at "
                 f"{admission.retrieve.end}; restoring that chunk would give the recurrent state of a later position",
             )
-        fit = planning.fit_stock_retrieve(
+        fit = stock_fit.fit_stock_retrieve(
             plan,
             group_sw_size_tokens=self._group_windows,
             separate_object_groups=self._separate_object_groups,

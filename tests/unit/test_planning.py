@@ -16,11 +16,10 @@ from lmcache_r3.mp.planning import (
     block_ids_for_range,
     ceil_to_chunk,
     find_coverage_gap,
-    fit_stock_retrieve,
     plan_retrieve,
-    stock_write_tokens,
     store_window,
 )
+from lmcache_r3.mp.stock_fit import fit_stock_retrieve, stock_write_tokens
 
 R = TokenRange
 S = SKIPPED_BLOCK_ID
