@@ -4,31 +4,18 @@ Block 0 of every KV page holds a sentinel; the real vLLM scheduler, both roles o
 real LMCache server (with an fs L2 tier we can scan) run requests that store and resume from LMCache.
 """
 
-import os
 import time
 
 import pytest
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata
 
+from tests.connector.conftest import CHUNK, files_holding_the_null_page, tier_files
 from tests.connector.test_admission import AllocatedBlocks, lookup, run_retrieve, wait_locks
-from tests.support.harness import BLOCK_SIZE, NULL_SENTINEL
+from tests.support.harness import BLOCK_SIZE
 
 pytestmark = pytest.mark.harness
 
 OURS = "lmcache_r3.mp.connector"
-CHUNK = 64
-
-
-@pytest.fixture(params=["default-flags", "separate-object-groups"], scope="module")
-def hybrid_server(request, lmcache_server_factory, tmp_path_factory):
-    separate = request.param == "separate-object-groups"
-    l2 = tmp_path_factory.mktemp(f"l2-{request.param}")
-    server = lmcache_server_factory(
-        chunk_size=CHUNK,
-        l2_adapters=({"type": "fs", "base_path": str(l2)},),
-        extra_args=("--separate-object-groups",) if separate else (),
-    )
-    return server, separate, l2
 
 
 def hybrid_harness(factory, hybrid_server, **overrides):
@@ -44,23 +31,10 @@ def hybrid_harness(factory, hybrid_server, **overrides):
     )
 
 
-def sentinel_runs(path, min_run=256) -> int:
-    """Bytes of ``path`` lying in runs of at least ``min_run`` sentinel bytes (random KV never has such runs)."""
-    data = open(path, "rb").read()
-    run = total = 0
-    for byte in data:
-        run = run + 1 if byte == NULL_SENTINEL else 0
-        if run == min_run:
-            total += min_run
-        elif run > min_run:
-            total += 1
-    return total
-
-
 def wait_for_tier_files(l2, minimum, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while True:
-        files = [os.path.join(root, n) for root, _, names in os.walk(l2) for n in names]
+        files = tier_files(l2)
         if len(files) >= minimum or time.monotonic() > deadline:
             return files
         time.sleep(0.05)
@@ -86,8 +60,8 @@ def test_resumed_hybrid_request_restores_attention_and_its_checkpoint_and_never_
     checkpoints_b = harness.real_blocks["B"][1]
 
     assert harness.null_block_changed_bytes() == 0, "block 0 was written"
-    for path in wait_for_tier_files(l2, 1):
-        assert sentinel_runs(path) == 0, f"stored object {path} holds null-block bytes"
+    assert wait_for_tier_files(l2, 1), "nothing reached the tier"
+    assert files_holding_the_null_page(l2) == [], "stored objects hold null-block bytes"
     counters = harness.scheduler.connector.counters.values
     if separate:
         assert counters["retrieves"] == 1, counters

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.connector.conftest import files_holding_the_null_page
 from tests.connector.test_admission import wait_locks
 from tests.support.harness import BLOCK_SIZE, NULL_SENTINEL
 
@@ -48,7 +49,6 @@ SCHEDULES_PER_SEED = int(os.environ.get("LMCACHE_R3_RANDOM_SCHEDULES", "16"))
 MAX_STEPS_PER_WAVE = 3000
 WAVE_TIMEOUT_S = 120.0
 MAX_PROMPT = 256
-SENTINEL_RUN = bytes([NULL_SENTINEL]) * 256  # model bytes never hold such a run; the null page is made of it
 
 
 # -- schedules --------------------------------------------------------------------------------------------------
@@ -328,41 +328,18 @@ def run_schedule(factory, server, separate: bool, schedule: Schedule, stats: Sta
     stats.schedules += 1
 
 
-def l2_files_holding_the_null_page(l2) -> list[str]:
-    found = []
-    for root, _, names in os.walk(l2):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                if SENTINEL_RUN in f.read():
-                    found.append(path)
-    return found
-
-
-@pytest.fixture(params=["default-flags", "separate-object-groups"], scope="module")
-def randomized_server(request, lmcache_server_factory, tmp_path_factory):
-    separate = request.param == "separate-object-groups"
-    l2 = tmp_path_factory.mktemp(f"l2-randomized-{request.param}")
-    server = lmcache_server_factory(
-        chunk_size=CHUNK,
-        l2_adapters=({"type": "fs", "base_path": str(l2)},),
-        extra_args=("--separate-object-groups",) if separate else (),
-    )
-    return server, separate, l2
-
-
 @pytest.mark.parametrize("seed", [0, 1], ids=lambda s: f"seed{s}")
 def test_random_hybrid_schedules_keep_block_0_intact_and_every_forward_pass_reads_the_kv_it_computed(
-    scheduler_harness_factory, randomized_server, seed
+    scheduler_harness_factory, hybrid_server, seed
 ):
-    server, separate, l2 = randomized_server
+    server, separate, l2 = hybrid_server
     assert wait_locks(server, 0) == 0, "an earlier test left read locks on this server"
     stats = Stats()
     started = time.monotonic()
     for index in range(SCHEDULES_PER_SEED):
         run_schedule(scheduler_harness_factory, server, separate, draw_schedule(seed, index), stats)
     time.sleep(0.2)  # let the L2 tier finish writing what L1 stored
-    assert l2_files_holding_the_null_page(l2) == [], "stored objects hold the null page"
+    assert files_holding_the_null_page(l2) == [], "stored objects hold the null page"
     variant = "--separate-object-groups" if separate else "default flags"
     print(
         f"\nrandomized hybrid, {variant}, seed {seed}: {stats.schedules} schedules, {stats.waves} waves, "
