@@ -1,0 +1,533 @@
+"""A same-host object store: a trusted directory of immutable, self-checking objects, normally under /dev/shm.
+
+An *object* is an opaque byte string stored under an opaque byte *key*. Once published an object never changes: a
+second ``put`` of the same key is a no-op that returns ``False`` (the first writer wins), and the only ways an object
+goes away are ``delete``, LRU eviction, the TTL sweep, or a failed checksum. Several stores - in one process or in
+several - may open the same root; they agree on what is stored because the directory *is* the store, and each keeps
+only its own in-memory accounting (sizes and recency) on top of it.
+
+Layout of a root (owned by the current user, mode 0700, not a symlink)::
+
+    ROOT/.tmp-<pid>-<n>-<random>         a write in progress (unlinked after publish)
+    ROOT/<shard>/<name>                  one object, mode 0600
+
+* ``name`` is the key in lowercase base32 without padding (alphabet ``a-z2-7``): it is injective, cannot contain
+  ``/``, ``.`` or NUL, so it can neither collide nor escape the root. Keys are 1..``MAX_KEY_BYTES`` (155) bytes,
+  so names stay at most 248 characters, under NAME_MAX (255).
+* ``shard`` is two hex digits from XXH3-64 of the key (256 directories), so keys sharing a long prefix (the same
+  model name, say) still spread evenly and no directory grows too large to scan.
+* a file is a 32-byte header followed by the payload. The header holds a magic, a format version, the payload
+  length, the XXH3-64 of the payload, and the XXH3-64 of the header fields before it. Every ``get`` checks all of
+  them; any mismatch, short or long file is a *corrupt* object: counted, removed, and answered as a miss.
+
+Publishing writes a temp file (``O_EXCL``, 0600) in the root and hard-links it to its final name: ``link`` fails
+with ``EEXIST`` when another writer got there first, and a reader can only ever open a complete file. There is no
+``fsync`` by default: tmpfs has no disk to sync to, and this store survives server restarts, not host reboots (which
+empty /dev/shm anyway); pass ``durable=True`` on a disk-backed root.
+
+Capacity is counted in file bytes (header included) and enforced by evicting the least recently used objects this
+store knows of (recency is kept in memory and updated by ``put`` and ``get``). Opening a store scans the root, so a
+new store serves what is there, with recency seeded from file mtimes. With several stores on one root each enforces
+its capacity over its own view; an object another store evicted is simply a miss. The TTL is the age since
+publication (file mtime), so every store on a root agrees on it: ``sweep_expired`` removes objects published more
+than ``ttl_seconds`` ago.
+
+Example::
+
+    store = ShmObjectStore("/dev/shm/lmcache_r3", capacity_bytes=8 << 30, ttl_seconds=3600)
+    store.put(b"chunk-1", payload)      # True: published
+    store.put(b"chunk-1", payload)      # False: already present
+    store.get(b"chunk-1") == payload    # True; None for a miss or a corrupt object
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import xxhash
+
+MAX_KEY_BYTES = 155
+"""Longest key accepted: its base32 name (248 characters) stays under NAME_MAX = 255."""
+
+HEADER = struct.Struct("<4sHHQQQ")
+"""magic, format version, reserved (0), payload length, XXH3-64 of the payload, XXH3-64 of the preceding 24 bytes."""
+
+MAGIC = b"R3OB"
+FORMAT_VERSION = 1
+ROOT_MODE = 0o700
+OBJECT_MODE = 0o600
+TEMP_PREFIX = ".tmp-"
+STALE_TEMP_SECONDS = 600.0
+"""A temp file older than this when a store opens is left over from a crashed writer and removed."""
+
+_HEADER_BODY = struct.Struct("<4sHHQQ")
+_SHARD_NAMES = frozenset(f"{shard:02x}" for shard in range(256))
+_READ_CHUNK = 1 << 30
+
+
+class ShmStoreError(Exception):
+    """Base class of every error this store raises."""
+
+
+class UntrustedRootError(ShmStoreError):
+    """The root directory cannot be trusted (symlink, not a directory, foreign owner, wrong mode) or created."""
+
+
+class InvalidKeyError(ShmStoreError, ValueError):
+    """A key that is not bytes, is empty, or is longer than ``MAX_KEY_BYTES``."""
+
+
+class ObjectTooLargeError(ShmStoreError, ValueError):
+    """An object that cannot fit in the store's capacity even when everything else is evicted."""
+
+
+class BufferTooSmallError(ShmStoreError, ValueError):
+    """``get_into`` was given a buffer shorter than the stored payload."""
+
+
+def object_name(key: bytes) -> str:
+    """The file name of ``key``: lowercase base32 without padding, e.g. ``b"ab"`` -> ``"mfra"``.
+
+    Raises:
+        InvalidKeyError: ``key`` is not bytes, is empty, or is longer than ``MAX_KEY_BYTES``.
+    """
+    if not isinstance(key, bytes | bytearray):
+        raise InvalidKeyError(f"object key must be bytes, got {type(key).__name__}; encode it first")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise InvalidKeyError(
+            f"object key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}; hash a longer key down to fewer bytes"
+        )
+    return base64.b32encode(key).decode("ascii").rstrip("=").lower()
+
+
+def key_of_name(name: str) -> bytes | None:
+    """The key whose ``object_name`` is ``name``, or None when ``name`` is not one (a temp file, a stray file)."""
+    if not name or len(name) > 255 or not name.isascii() or not name.isalnum() or name != name.lower():
+        return None
+    try:
+        key = base64.b32decode(name.upper() + "=" * (-len(name) % 8))
+    except ValueError:
+        return None
+    # base32 without padding lets trailing bits vary; only the canonical spelling names an object.
+    if not 0 < len(key) <= MAX_KEY_BYTES or object_name(key) != name:
+        return None
+    return key
+
+
+def shard_of(key: bytes) -> str:
+    """The subdirectory holding ``key``: two hex digits of its XXH3-64, so similar keys still spread evenly."""
+    return f"{xxhash.xxh3_64_intdigest(key) & 0xFF:02x}"
+
+
+def encode_header(payload_length: int, payload_digest: int) -> bytes:
+    """The 32-byte header of a payload of ``payload_length`` bytes whose XXH3-64 is ``payload_digest``."""
+    body = _HEADER_BODY.pack(MAGIC, FORMAT_VERSION, 0, payload_length, payload_digest)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(header: bytes) -> tuple[int, int] | None:
+    """``(payload_length, payload_digest)`` of a valid header, else None (wrong magic, version or checksum)."""
+    if len(header) != HEADER.size:
+        return None
+    magic, version, reserved, length, digest, header_digest = HEADER.unpack(header)
+    if magic != MAGIC or version != FORMAT_VERSION or reserved != 0:
+        return None
+    if xxhash.xxh3_64_intdigest(header[: _HEADER_BODY.size]) != header_digest:
+        return None
+    return length, digest
+
+
+def open_trusted_root(root: str | os.PathLike[str]) -> Path:
+    """Create ``root`` (mode 0700) if missing, then check it is a directory we own with mode exactly 0700.
+
+    Raises:
+        UntrustedRootError: naming the path, what is wrong and how to fix it.
+    """
+    path = Path(os.path.abspath(root))
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, ROOT_MODE)
+        os.chmod(path, ROOT_MODE)  # mkdir's mode is reduced by the umask
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise UntrustedRootError(
+            f"shm store root {path}: cannot create it ({err.strerror}); create it with "
+            f"`mkdir -m 700 {path}` or choose a writable root"
+        ) from err
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise UntrustedRootError(
+            f"shm store root {path} is a symlink to {os.readlink(path)}; a symlinked root is refused because whoever "
+            f"controls the link controls where objects go. Use the real directory as the root, or choose another root"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise UntrustedRootError(f"shm store root {path} exists but is not a directory; choose another root")
+    if info.st_uid != os.getuid():
+        raise UntrustedRootError(
+            f"shm store root {path} is owned by uid {info.st_uid}, not by this process (uid {os.getuid()}); "
+            f"another user could read or plant objects. Run `chown {os.getuid()} {path}` or choose another root"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode != ROOT_MODE:
+        raise UntrustedRootError(
+            f"shm store root {path} has mode {mode:#o}, expected exactly {ROOT_MODE:#o} so that no other user can "
+            f"read or plant objects. Run `chmod 700 {path}` or choose another root"
+        )
+    return path
+
+
+class ShmObjectStore:
+    """Immutable objects as checksummed files under a trusted root, with LRU capacity and a TTL (see the module).
+
+    Thread-safe: file operations need no lock (publication is atomic), the in-memory accounting has one.
+
+    Args:
+        root: the directory; created with mode 0700 if missing.
+        capacity_bytes: most file bytes (headers included) this store keeps before evicting least recently used.
+        ttl_seconds: ``sweep_expired`` removes objects published longer ago than this; None keeps them forever.
+        durable: ``fsync`` each object before publishing it (useful only on a disk-backed root).
+
+    Raises:
+        UntrustedRootError: the root is a symlink, not a directory, not ours, or not mode 0700.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        ttl_seconds: float | None = None,
+        durable: bool = False,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}; give the tier a size in bytes")
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be > 0 or None (no expiry), got {ttl_seconds}")
+        self.root = open_trusted_root(root)
+        self.capacity_bytes = capacity_bytes
+        self.ttl_seconds = ttl_seconds
+        self.durable = durable
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[bytes, int] = OrderedDict()
+        """File size of every object this store knows of, least recently used first."""
+        self._used = 0
+        self._temp_ids = itertools.count()
+        self._stats = dict.fromkeys(
+            ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "evictions", "expired"), 0
+        )
+        self._remove_stale_temps()
+        self.rescan()
+
+    # -- objects ---------------------------------------------------------------------------------------------------
+
+    def put(self, key: bytes, data: bytes | bytearray | memoryview) -> bool:
+        """Publish ``data`` under ``key``; True if this call published it, False if the key was already present.
+
+        Raises:
+            InvalidKeyError: see ``object_name``.
+            ObjectTooLargeError: the object alone exceeds ``capacity_bytes``.
+            OSError: the root is full or unwritable.
+        """
+        path = self._path(key)
+        payload = memoryview(data).cast("B")
+        file_size = HEADER.size + payload.nbytes
+        if file_size > self.capacity_bytes:
+            raise ObjectTooLargeError(
+                f"object of {payload.nbytes} bytes (+{HEADER.size} header) exceeds the shm store capacity of "
+                f"{self.capacity_bytes} bytes; raise capacity_bytes or store smaller chunks"
+            )
+        if self._adopt_existing(key, path):
+            return False
+        self._make_room(file_size, keep=key)
+        header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload))
+        temp = self.root / f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
+        try:
+            try:
+                _write_all(fd, memoryview(header))
+                _write_all(fd, payload)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            path.parent.mkdir(mode=ROOT_MODE, exist_ok=True)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                self._adopt_existing(key, path)
+                return False
+        finally:
+            os.unlink(temp)
+        with self._lock:
+            self._stats["bytes_written"] += payload.nbytes
+        self._touch(key, file_size)
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return self._miss(key)
+        try:
+            length, digest = self._read_header(fd)
+            chunks = []
+            remaining = length
+            while remaining:
+                chunk = os.read(fd, min(remaining, _READ_CHUNK))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if remaining or xxhash.xxh3_64_intdigest(payload) != digest:
+                raise _Corrupt
+            self._hit(key, length)
+            return payload
+        except _Corrupt:
+            return self._corrupt(key, path, fd)
+        finally:
+            os.close(fd)
+
+    def get_into(self, key: bytes, buffer: bytearray | memoryview) -> int | None:
+        """Read the payload of ``key`` into the start of ``buffer`` (no intermediate copy); its length, or None.
+
+        On None the first bytes of ``buffer`` may have been overwritten with data that failed its checksum.
+
+        Raises:
+            BufferTooSmallError: ``buffer`` is shorter than the payload (nothing is read; the object stays).
+        """
+        path = self._path(key)
+        target = memoryview(buffer).cast("B")
+        if target.readonly:
+            raise TypeError("get_into needs a writable buffer (bytearray, writable memoryview, numpy array)")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return self._miss(key)
+        try:
+            length, digest = self._read_header(fd)
+            if length > target.nbytes:
+                raise BufferTooSmallError(
+                    f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
+                    f"pass a buffer of at least {length} bytes"
+                )
+            view = target[:length]
+            filled = 0
+            while filled < length:
+                count = os.readv(fd, [view[filled:]])
+                if count == 0:
+                    raise _Corrupt
+                filled += count
+            if xxhash.xxh3_64_intdigest(view) != digest:
+                raise _Corrupt
+            self._hit(key, length)
+            return length
+        except _Corrupt:
+            return self._corrupt(key, path, fd)
+        finally:
+            os.close(fd)
+
+    def exists(self, key: bytes) -> bool:
+        """Whether an object is published under ``key`` (its checksum is checked only when it is read)."""
+        return self._path(key).exists()
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove the objects of ``keys``; the number removed. Never raises: missing or invalid keys are skipped."""
+        removed = 0
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+                removed += 1
+            except (OSError, ShmStoreError):
+                pass
+            self._forget(key)
+        return removed
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key published under the root, by any store, in directory order."""
+        for shard, name in self._object_names():
+            key = key_of_name(name)
+            if key is not None and shard_of(key) == shard:
+                yield key
+
+    # -- capacity, expiry, reporting -------------------------------------------------------------------------------
+
+    def usage(self) -> tuple[int, int]:
+        """``(used_bytes, capacity_bytes)`` in file bytes, over the objects this store knows of."""
+        with self._lock:
+            return self._used, self.capacity_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters since open: hits, misses, corrupt, bytes_written, bytes_read (payload bytes), evictions, expired."""
+        with self._lock:
+            return dict(self._stats)
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Remove objects published more than ``ttl_seconds`` before ``now`` (wall clock, default time.time()).
+
+        Walks the whole root, so objects published by other stores expire too. Returns the number removed.
+        """
+        if self.ttl_seconds is None:
+            return 0
+        deadline = (time.time() if now is None else now) - self.ttl_seconds
+        removed = 0
+        for shard, name in self._object_names():
+            key = key_of_name(name)
+            if key is None:
+                continue
+            path = self.root / shard / name
+            try:
+                if os.stat(path).st_mtime >= deadline:
+                    continue
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            else:
+                removed += 1
+            self._forget(key)
+        with self._lock:
+            self._stats["expired"] += removed
+        return removed
+
+    def rescan(self) -> None:
+        """Rebuild the accounting from the root: every object, by size, least recently modified first."""
+        found = []
+        for shard, name in self._object_names():
+            key = key_of_name(name)
+            if key is None or shard_of(key) != shard:
+                continue
+            try:
+                info = os.stat(self.root / shard / name)
+            except FileNotFoundError:
+                continue
+            found.append((info.st_mtime, key, info.st_size))
+        found.sort()
+        with self._lock:
+            self._sizes = OrderedDict((key, size) for _, key, size in found)
+            self._used = sum(self._sizes.values())
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        name = object_name(key)
+        return self.root / shard_of(bytes(key)) / name
+
+    def _object_names(self) -> Iterator[tuple[str, str]]:
+        with os.scandir(self.root) as shards:
+            shard_names = [entry.name for entry in shards if entry.name in _SHARD_NAMES]
+        for shard in shard_names:
+            try:
+                with os.scandir(self.root / shard) as entries:
+                    names = [entry.name for entry in entries]
+            except FileNotFoundError:
+                continue
+            for name in names:
+                yield shard, name
+
+    def _remove_stale_temps(self) -> None:
+        deadline = time.time() - STALE_TEMP_SECONDS
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(TEMP_PREFIX):
+                    try:
+                        if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                            os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+
+    def _read_header(self, fd: int) -> tuple[int, int]:
+        header = os.read(fd, HEADER.size)
+        decoded = decode_header(header)
+        if decoded is None or os.fstat(fd).st_size != HEADER.size + decoded[0]:
+            raise _Corrupt
+        return decoded
+
+    def _make_room(self, incoming: int, keep: bytes) -> None:
+        victims = []
+        with self._lock:
+            while self._used + incoming > self.capacity_bytes and self._sizes:
+                key, size = self._sizes.popitem(last=False)
+                if key == bytes(keep):
+                    self._sizes[key] = size
+                    if len(self._sizes) == 1:
+                        break
+                    continue
+                self._used -= size
+                victims.append(key)
+            self._stats["evictions"] += len(victims)
+        for key in victims:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+
+    def _adopt_existing(self, key: bytes, path: Path) -> bool:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return False
+        self._touch(key, size)
+        return True
+
+    def _touch(self, key: bytes, size: int) -> None:
+        key = bytes(key)
+        with self._lock:
+            previous = self._sizes.pop(key, None)
+            if previous is not None:
+                self._used -= previous
+            self._sizes[key] = size
+            self._used += size
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._sizes.pop(bytes(key), None) if isinstance(key, bytes | bytearray) else None
+            if size is not None:
+                self._used -= size
+
+    def _hit(self, key: bytes, length: int) -> None:
+        with self._lock:
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += length
+        self._touch(key, HEADER.size + length)
+
+    def _miss(self, key: bytes) -> None:
+        with self._lock:
+            self._stats["misses"] += 1
+        self._forget(key)
+        return None
+
+    def _corrupt(self, key: bytes, path: Path, fd: int) -> None:
+        opened = os.fstat(fd)
+        try:
+            current = os.stat(path)
+            # Another store may already have replaced the corrupt file with a good one: remove only what we read.
+            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            self._stats["corrupt"] += 1
+            self._stats["misses"] += 1
+        self._forget(key)
+        return None
+
+
+class _Corrupt(Exception):
+    """Internal: the object just read failed a check."""
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    written = 0
+    while written < data.nbytes:
+        written += os.write(fd, data[written:])

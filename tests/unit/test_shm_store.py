@@ -1,0 +1,367 @@
+"""The same-host object store: what it serves is byte-equal or a miss, never torn, never from an untrusted root."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache_r3.tiers.shm_store import (
+    HEADER,
+    MAX_KEY_BYTES,
+    BufferTooSmallError,
+    InvalidKeyError,
+    ObjectTooLargeError,
+    ShmObjectStore,
+    UntrustedRootError,
+    key_of_name,
+    object_name,
+    shard_of,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def shm_dir():
+    parent = tempfile.mkdtemp(dir="/dev/shm", prefix="test_shm_store-")
+    yield Path(parent)
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture
+def root(shm_dir):
+    return shm_dir / "store"
+
+
+def value_of(key: bytes, size: int = 4096) -> bytes:
+    """The only value ever written for ``key``: deterministic, different for every key."""
+    seed = key * (size // len(key) + 1)
+    return bytes((b + i) % 251 for i, b in enumerate(seed[:size]))
+
+
+def object_path(root: Path, key: bytes) -> Path:
+    return root / shard_of(key) / object_name(key)
+
+
+# -- round trip ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * MiB + 7])
+def test_put_then_get_returns_the_same_bytes(root, size):
+    store = ShmObjectStore(root, capacity_bytes=64 * MiB)
+    payload = os.urandom(size)
+    assert store.put(b"k", payload) is True
+    assert store.get(b"k") == payload
+    buffer = bytearray(size + 10)
+    assert store.get_into(b"k", buffer) == size
+    assert bytes(buffer[:size]) == payload
+    assert store.stats()["hits"] == 2 and store.stats()["bytes_read"] == 2 * size
+
+
+def test_get_into_fills_a_numpy_array_in_place(root):
+    np = pytest.importorskip("numpy")
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    payload = np.arange(1000, dtype=np.float32)
+    store.put(b"tensor", payload)
+    target = np.zeros(1000, dtype=np.float32)
+    assert store.get_into(b"tensor", target) == payload.nbytes
+    assert np.array_equal(target, payload)
+
+
+def test_get_into_a_short_buffer_names_the_size_needed_and_keeps_the_object(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"k", b"x" * 100)
+    with pytest.raises(BufferTooSmallError, match="at least 100 bytes"):
+        store.get_into(b"k", bytearray(99))
+    assert store.get(b"k") == b"x" * 100
+
+
+def test_first_writer_wins(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    assert store.put(b"k", b"first") is True
+    assert store.put(b"k", b"second") is False
+    assert store.get(b"k") == b"first"
+
+
+def test_files_are_private_and_no_temp_file_is_left_behind(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"k", b"payload")
+    path = object_path(root, b"k")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in root.iterdir()] == [shard_of(b"k")]
+
+
+def test_missing_keys_are_misses_and_delete_never_raises(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", b"1")
+    assert store.get(b"absent") is None
+    assert store.get_into(b"absent", bytearray(8)) is None
+    assert store.exists(b"a") and not store.exists(b"absent")
+    assert store.delete([b"a", b"absent", b"", b"x" * 1000, "not-bytes"]) == 1
+    assert not store.exists(b"a")
+    assert store.usage() == (0, MiB)
+    assert store.stats()["misses"] == 2
+
+
+def test_keys_lists_every_published_key(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    keys = {bytes([i]) * (i + 1) for i in range(40)}
+    for key in keys:
+        store.put(key, value_of(key, 10))
+    assert set(store.keys()) == keys
+
+
+@pytest.mark.parametrize(
+    "key, error",
+    [
+        (b"", "1..155 bytes, got 0"),
+        (b"x" * (MAX_KEY_BYTES + 1), "got 156; hash a longer key"),
+        ("text", "must be bytes, got str"),
+    ],
+)
+def test_invalid_keys_are_refused_with_the_fix(root, key, error):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    with pytest.raises(InvalidKeyError, match=error):
+        store.put(key, b"v")
+
+
+def test_an_object_larger_than_the_capacity_is_refused(root):
+    store = ShmObjectStore(root, capacity_bytes=1000)
+    with pytest.raises(ObjectTooLargeError, match="raise capacity_bytes"):
+        store.put(b"big", bytes(1000))
+
+
+# -- checksums -------------------------------------------------------------------------------------------------------
+
+
+def flip_payload_byte(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+def flip_header_byte(data: bytes) -> bytes:
+    return data[:10] + bytes([data[10] ^ 0x01]) + data[11:]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(flip_payload_byte, id="payload byte flipped"),
+        pytest.param(flip_header_byte, id="header length changed"),
+        pytest.param(lambda data: data[:-1], id="truncated payload"),
+        pytest.param(lambda data: data[: HEADER.size - 3], id="truncated header"),
+        pytest.param(lambda data: data + b"\0", id="trailing byte"),
+        pytest.param(lambda data: b"garbage!" * 4 + data[HEADER.size :], id="garbage header"),
+        pytest.param(lambda data: b"", id="empty file"),
+    ],
+)
+@pytest.mark.parametrize("read", ["get", "get_into"])
+def test_a_corrupt_object_is_a_counted_miss_and_is_removed(root, damage, read):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"k", value_of(b"k"))
+    path = object_path(root, b"k")
+    path.write_bytes(damage(path.read_bytes()))
+    result = store.get(b"k") if read == "get" else store.get_into(b"k", bytearray(8192))
+    assert result is None
+    assert not path.exists()
+    assert store.stats()["corrupt"] == 1 and store.stats()["misses"] == 1
+    assert store.usage()[0] == 0
+    assert store.put(b"k", value_of(b"k")) is True
+    assert store.get(b"k") == value_of(b"k")
+
+
+# -- capacity, TTL, reopening ------------------------------------------------------------------------------------------
+
+
+def test_capacity_evicts_the_least_recently_used(root):
+    object_size = HEADER.size + 1000
+    store = ShmObjectStore(root, capacity_bytes=3 * object_size)
+    for key in (b"a", b"b", b"c"):
+        store.put(key, value_of(key, 1000))
+    assert store.get(b"a") is not None  # a is now more recent than b
+    store.put(b"d", value_of(b"d", 1000))
+    assert sorted(store.keys()) == [b"a", b"c", b"d"]
+    assert store.usage() == (3 * object_size, 3 * object_size)
+    assert store.stats()["evictions"] == 1
+
+
+def test_ttl_sweep_removes_objects_published_longer_ago_than_the_ttl(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB, ttl_seconds=60)
+    store.put(b"old", b"1")
+    store.put(b"new", b"2")
+    published = time.time()
+    os.utime(object_path(root, b"old"), (published - 120, published - 120))
+    assert store.sweep_expired(now=published) == 1
+    assert list(store.keys()) == [b"new"]
+    assert store.sweep_expired(now=published + 61) == 1
+    assert store.stats()["expired"] == 2 and store.usage()[0] == 0
+
+
+def test_without_a_ttl_nothing_expires(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"k", b"v")
+    assert store.sweep_expired(now=time.time() + 1e9) == 0
+
+
+def test_a_new_store_on_the_same_root_serves_what_is_there(root):
+    first = ShmObjectStore(root, capacity_bytes=MiB)
+    keys = [b"a", b"b", b"c"]
+    for key in keys:
+        first.put(key, value_of(key, 500))
+    (root / ".tmp-1-2-dead").write_bytes(b"half-written")
+    os.utime(root / ".tmp-1-2-dead", (0, 0))
+
+    second = ShmObjectStore(root, capacity_bytes=MiB)
+    assert second.usage() == first.usage() == (3 * (HEADER.size + 500), MiB)
+    assert all(second.get(key) == value_of(key, 500) for key in keys)
+    assert not (root / ".tmp-1-2-dead").exists()
+
+
+def test_reopening_with_a_smaller_capacity_evicts_the_oldest_first(root):
+    first = ShmObjectStore(root, capacity_bytes=MiB)
+    for age, key in enumerate([b"newest", b"middle", b"oldest"]):
+        first.put(key, value_of(key, 1000))
+        os.utime(object_path(root, key), (time.time() - 100 * age,) * 2)
+    second = ShmObjectStore(root, capacity_bytes=3 * (HEADER.size + 1000))
+    second.put(b"extra", value_of(b"extra", 1000))
+    assert sorted(second.keys()) == [b"extra", b"middle", b"newest"]
+
+
+# -- the trusted root ------------------------------------------------------------------------------------------------
+
+
+def make_symlinked_root(shm_dir: Path) -> Path:
+    real = shm_dir / "real"
+    real.mkdir(mode=0o700)
+    (shm_dir / "link").symlink_to(real)
+    return shm_dir / "link"
+
+
+def make_open_root(shm_dir: Path) -> Path:
+    path = shm_dir / "open"
+    path.mkdir()
+    path.chmod(0o755)
+    return path
+
+
+def make_foreign_root(shm_dir: Path) -> Path:
+    path = shm_dir / "foreign"
+    path.mkdir(mode=0o700)
+    if os.getuid() != 0:
+        pytest.skip("simulating a foreign owner needs root to chown the directory to another uid")
+    os.chown(path, 65534, -1)
+    return path
+
+
+def make_file_root(shm_dir: Path) -> Path:
+    path = shm_dir / "file"
+    path.write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_root, message",
+    [
+        (make_symlinked_root, r"is a symlink to .*/real; .*Use the real directory as the root"),
+        (make_open_root, r"has mode 0o755, expected exactly 0o700 .*Run `chmod 700 .*/open`"),
+        (make_foreign_root, r"is owned by uid 65534, not by this process \(uid 0\).*Run `chown 0 .*/foreign`"),
+        (make_file_root, r"is not a directory; choose another root"),
+    ],
+)
+def test_an_untrusted_root_is_refused_naming_the_path_and_the_fix(shm_dir, make_root, message):
+    path = make_root(shm_dir)
+    with pytest.raises(UntrustedRootError, match=message) as raised:
+        ShmObjectStore(path, capacity_bytes=MiB)
+    assert str(path) in str(raised.value)
+
+
+def test_a_missing_root_is_created_private(shm_dir):
+    old_umask = os.umask(0o022)
+    try:
+        store = ShmObjectStore(shm_dir / "a" / "b", capacity_bytes=MiB)
+    finally:
+        os.umask(old_umask)
+    assert store.root.stat().st_mode & 0o777 == 0o700
+
+
+# -- names -----------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.binary(min_size=1, max_size=MAX_KEY_BYTES), min_size=2, max_size=20))
+def test_distinct_keys_get_distinct_safe_names_that_decode_back(keys):
+    names = {object_name(key) for key in keys}
+    assert len(names) == len(keys)
+    for key in keys:
+        name = object_name(key)
+        assert "/" not in name and "." not in name and "\0" not in name
+        assert 0 < len(name) <= 248 < 255
+        assert key_of_name(name) == key
+
+
+@pytest.mark.parametrize("name", [".tmp-1-2-3", "..", "MFRA", "mfrb", "mfr", "x/y", "", "a" * 300])
+def test_names_that_are_not_canonical_objects_decode_to_nothing(name):
+    assert key_of_name(name) is None
+
+
+# -- two processes on one root ---------------------------------------------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import random, sys, time
+    from lmcache_r3.tiers.shm_store import ShmObjectStore
+
+    def value_of(key, size):
+        seed = key * (size // len(key) + 1)
+        return bytes((b + i) % 251 for i in range(size) for b in [seed[i]])
+
+    root, worker, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    keys = [b"key-%03d" % i for i in range(48)]
+    values = {key: value_of(key, 64 * 1024 + 17 * i) for i, key in enumerate(keys)}
+    store = ShmObjectStore(root, capacity_bytes=24 * 70 * 1024)
+    rng = random.Random(worker)
+    wrong = reads = hits = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        key = rng.choice(keys)
+        if rng.random() < 0.5:
+            store.put(key, values[key])
+        else:
+            got = store.get(key)
+            reads += 1
+            hits += got is not None
+            wrong += got is not None and got != values[key]
+        if rng.random() < 0.05:
+            store.delete([rng.choice(keys)])
+    stats = store.stats()
+    print(wrong, reads, hits, stats["corrupt"], stats["evictions"])
+    """
+)
+
+
+def test_two_processes_sharing_a_root_never_read_a_torn_or_wrong_object(root):
+    ShmObjectStore(root, capacity_bytes=MiB)
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(root), str(worker), "4"], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for worker in range(2)
+    ]
+    for worker in workers:
+        out, _ = worker.communicate(timeout=20)
+        assert worker.returncode == 0
+        wrong, reads, hits, corrupt, evictions = map(int, out.split())
+        assert wrong == 0 and corrupt == 0
+        assert reads > 100 and hits > 0 and evictions > 0
