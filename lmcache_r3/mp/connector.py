@@ -69,9 +69,7 @@ class ConnectorCounters:
             self.values[name] += value
 
 
-def resolve_extra_config(
-    extra_config: dict[str, Any], kv_cache_config: Any, separate_object_groups: bool
-) -> dict[str, Any]:
+def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` LMCache's connector is built with.
 
     Server address and timeouts come from the lmcache_r3 config file unless set explicitly. A hybrid model
@@ -94,9 +92,8 @@ def resolve_extra_config(
                 "transfer_mode auto or lmcache_driven)."
             )
         merged[TRANSFER_MODE_KEY] = "lmcache_driven"
-    merged.setdefault(
-        SEPARATE_GROUPS_KEY, separate_object_groups or "--separate-object-groups" in config.server.extra_args
-    )
+    # Whether the server runs with --separate-object-groups: said explicitly, or read from the same config file.
+    merged.setdefault(SEPARATE_GROUPS_KEY, "--separate-object-groups" in config.server.extra_args)
     return merged
 
 
@@ -106,7 +103,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         transfer_config = vllm_config.kv_transfer_config
         extra = transfer_config.kv_connector_extra_config
-        merged = resolve_extra_config(dict(extra), kv_cache_config, bool(extra.get(SEPARATE_GROUPS_KEY, False)))
+        merged = resolve_extra_config(dict(extra), kv_cache_config)
         extra.clear()
         extra.update(merged)
         if transfer_config.kv_load_failure_policy != "recompute":

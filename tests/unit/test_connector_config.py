@@ -1,0 +1,45 @@
+"""What the connector hands LMCache's connector: server address from the config file, transfer mode for hybrids."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from lmcache_r3.mp.connector import SEPARATE_GROUPS_KEY, TRANSFER_MODE_KEY, resolve_extra_config
+
+
+def groups(n: int):
+    return SimpleNamespace(kv_cache_groups=[object()] * n)
+
+
+@pytest.fixture(autouse=True)
+def no_config_file(monkeypatch):
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("num_groups", "explicit_mode", "expected_mode"),
+    [
+        pytest.param(1, None, None, id="dense-keeps-the-platform-default"),
+        pytest.param(1, "engine_driven", "engine_driven", id="dense-engine-driven-allowed"),
+        pytest.param(2, None, "lmcache_driven", id="hybrid-defaults-to-lmcache-driven"),
+        pytest.param(2, "lmcache_driven", "lmcache_driven", id="hybrid-lmcache-driven"),
+    ],
+)
+def test_transfer_mode(num_groups, explicit_mode, expected_mode):
+    extra = {} if explicit_mode is None else {TRANSFER_MODE_KEY: explicit_mode}
+    assert resolve_extra_config(extra, groups(num_groups)).get(TRANSFER_MODE_KEY) == expected_mode
+
+
+def test_hybrid_with_engine_driven_is_refused_naming_the_mode_that_works():
+    with pytest.raises(ValueError, match='Set "lmcache.mp.mp_transfer_mode": "lmcache_driven"'):
+        resolve_extra_config({TRANSFER_MODE_KEY: "engine_driven"}, groups(2))
+
+
+def test_server_address_and_flags_come_from_the_config_file(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("server: {port: 6500, http_port: 6501, extra_args: [--separate-object-groups]}\n")
+    merged = resolve_extra_config({"lmcache_r3.config_file": str(file)}, groups(1))
+    assert merged["lmcache.mp.port"] == 6500
+    assert merged[SEPARATE_GROUPS_KEY] is True
+    explicit = resolve_extra_config({"lmcache_r3.config_file": str(file), SEPARATE_GROUPS_KEY: False}, groups(1))
+    assert explicit[SEPARATE_GROUPS_KEY] is False
