@@ -1,0 +1,249 @@
+"""The /dev/shm tier (``lmcache_r3.tiers.shm_adapter.ShmL2Adapter``) as an L2 plugin of a real LMCache server:
+R3 and KV objects served byte-equal from the tier after L1 is cleared, served again after a server restart,
+a damaged object never served, an untrusted root refused at start-up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from lmcache_r3.artifacts import decode_run, read_header
+from lmcache_r3.launch import ServiceStartError
+from lmcache_r3.mp.r3_client import R3Client
+from lmcache_r3.mp.server_process import r3_server_module_spec
+from lmcache_r3.tiers.shm_store import HEADER
+from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
+
+pytestmark = pytest.mark.server
+
+CAPACITY = 256 << 20
+
+
+@pytest.fixture
+def shm_root():
+    root = tempfile.mkdtemp(prefix="r3-shm-tier-", dir="/dev/shm")  # mode 0700, ours
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def shm_tier(root: str, **params) -> dict:
+    return {
+        "type": "plugin",
+        "module_path": "lmcache_r3.tiers.shm_adapter",
+        "class_name": "ShmL2Adapter",
+        "adapter_params": {"root": root, "capacity_bytes": CAPACITY, "ttl_seconds": 3600, **params},
+    }
+
+
+def start(factory, root: str):
+    return factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),), l2_adapters=(shm_tier(root),))
+
+
+def tier_files(root: str) -> set[str]:
+    return {
+        os.path.join(top, name)
+        for top, _, names in os.walk(root)
+        for name in names
+        if not name.startswith(".tmp-") and top != root
+    }
+
+
+def wait_for_files(root: str, count: int, before: frozenset[str] = frozenset(), timeout_s: float = 10.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while len(new := tier_files(root) - before) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(new) >= count, f"expected the tier to hold {count} new objects, found {sorted(new)}"
+    return new
+
+
+def tier_status(server) -> dict:
+    adapters = server.status()["storage_manager"]["l2_adapters"]
+    return next(a for a in adapters if a.get("type") == "ShmL2Adapter")
+
+
+def clear_l1(server) -> None:
+    server.clear_l1()
+    assert server.l1_counts()["total_object_count"] == 0
+
+
+def fetch_rows(r3: R3Client, tokens) -> tuple[int, np.ndarray | None]:
+    fetched = r3.fetch(tokens).result()
+    if not fetched.num_hit_chunks:
+        return 0, None
+    decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
+    assert decoded.error is None
+    return fetched.num_hit_chunks, np.concatenate([c.rows for c in decoded.chunks])
+
+
+def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart(lmcache_server_factory, shm_root):
+    tokens, rows = tokens_for(201, 3 * CHUNK), rows_for(201, 3 * CHUNK)
+    server = start(lmcache_server_factory, shm_root)
+    with R3Client(server.url, MODEL, PROFILE) as r3:
+        assert store_rows(r3, tokens, rows).num_stored == 3
+        wait_for_files(shm_root, 3)
+        clear_l1(server)
+        hits, fetched = fetch_rows(r3, tokens)
+        assert hits == 3 and np.array_equal(fetched, rows)
+    status = tier_status(server)
+    assert status["is_healthy"] and server.status()["is_healthy"]
+    assert status["hits"] >= 3 and status["bytes"] > 0 and status["errors"] == 0
+    for counter in ("misses", "corrupt", "evictions"):
+        assert counter in status
+    server.stop()
+
+    again = start(lmcache_server_factory, shm_root)  # a new server on the same root serves what is there
+    try:
+        status = tier_status(again)
+        assert status["objects"] == 3 and status["bytes"] > 0
+        assert again.l1_counts()["total_object_count"] == 0
+        with R3Client(again.url, MODEL, PROFILE) as r3:
+            assert r3.lookup(tokens).result().num_hit_chunks == 3
+            hits, fetched = fetch_rows(r3, tokens)
+            assert hits == 3 and np.array_equal(fetched, rows)
+        assert tier_status(again)["hits"] >= 3
+    finally:
+        again.stop()
+
+
+def test_a_damaged_object_in_the_tier_is_never_served_and_is_removed(lmcache_server_factory, shm_root):
+    tokens, rows = tokens_for(202, 3 * CHUNK), rows_for(202, 3 * CHUNK)
+    server = start(lmcache_server_factory, shm_root)
+    try:
+        with R3Client(server.url, MODEL, PROFILE) as r3:
+            store_rows(r3, tokens, rows)
+            files = wait_for_files(shm_root, 3)
+            second = next(p for p in files if _token_start(p) == CHUNK)
+            data = bytearray(open(second, "rb").read())
+            data[-10] ^= 0xFF  # one payload byte of chunk 1 flips in /dev/shm
+            with open(second, "r+b") as f:
+                f.write(bytes(data))
+            clear_l1(server)
+            hits, fetched = fetch_rows(r3, tokens)
+            assert hits == 1, "the damaged chunk must end the hit"
+            assert np.array_equal(fetched, rows[:CHUNK])
+            assert not os.path.exists(second), "the damaged object stays in the tier"
+            assert tier_status(server)["corrupt"] >= 1
+            assert wait_for_hit(r3, tokens, 1) == 1
+    finally:
+        server.stop()
+
+
+def _token_start(path: str) -> int:
+    data = open(path, "rb").read()
+    return read_header(data[data.index(b"R3RX", HEADER.size) :]).token_start
+
+
+def test_kv_blocks_come_back_byte_equal_from_the_tier(lmcache_server_factory, scheduler_harness_factory, shm_root):
+    from tests.support.harness import BLOCK_SIZE
+
+    server = lmcache_server_factory(chunk_size=CHUNK, l2_adapters=(shm_tier(shm_root),))
+    harness = None
+    try:
+        harness = scheduler_harness_factory(server=server, kind="dense")
+        tokens = [10 + (7 * i + 3) % 1000 for i in range(4 * BLOCK_SIZE + 10)]  # 2 full chunks + a partial tail
+        harness.generate([("A", tokens)])
+        saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the tier writes behind L1
+            in_l1 = server.l1_counts()["total_object_count"]
+            if in_l1 and len(tier_files(shm_root)) >= in_l1:
+                break
+            time.sleep(0.02)
+        assert tier_files(shm_root), "no KV object reached the tier"
+        clear_l1(server)
+
+        harness.reset_prefix_cache()
+        harness.zero_all_blocks_but_null()
+        harness.generate([("B", tokens + [900, 901])])
+        assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from the tier differs"
+        status = tier_status(server)
+        assert status["hits"] >= 1 and status["corrupt"] == 0 and status["is_healthy"]
+        assert server.l1_counts()["read_locked_count"] == 0
+    finally:
+        if harness is not None:  # before the server goes: a connector talking to a dead server waits out its timeout
+            harness.shutdown()
+            harness.shutdown = lambda: None  # the fixture's teardown must not shut it down twice
+        server.stop()
+
+
+def test_a_symlinked_root_is_refused_at_start_up_with_the_reason(lmcache_server_factory, shm_root):
+    link = shm_root + "-link"
+    os.symlink(shm_root, link)
+    try:
+        with pytest.raises(ServiceStartError) as failure:
+            start(lmcache_server_factory, link)
+        assert "is a symlink" in str(failure.value), str(failure.value)[-2000:]
+    finally:
+        os.unlink(link)
+
+
+# -- the adapter contract without a server: every task completes and signals, even when the store fails -----------
+class _Buffer:
+    """A stand-in for an L1 MemoryObj: ``byte_array`` is a view of caller-owned memory."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = bytearray(data)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.data)
+
+
+def _key(i: int):
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name="tiny-moe", kv_rank=0, object_group_id=0)
+
+
+def _signalled(fd: int, timeout_s: float) -> bool:
+    import select
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(timeout_s * 1000)))
+
+
+@pytest.fixture
+def adapter(shm_root):
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 0.3})
+    yield tier
+    tier.close()
+
+
+def test_a_throwing_store_still_completes_every_task_and_delete_never_raises(adapter, monkeypatch):
+    def boom(*args, **kwargs):
+        raise OSError("injected")
+
+    for name in ("put", "get_into", "exists", "delete"):
+        monkeypatch.setattr(adapter._store, name, boom)
+    store = adapter.submit_store_task([_key(1)], [_Buffer(b"x" * 64)])
+    assert _signalled(adapter.get_store_event_fd(), 2)
+    assert not adapter.pop_completed_store_tasks()[store].is_successful()
+    lookup = adapter.submit_lookup_and_lock_task([_key(1)], {})
+    assert _signalled(adapter.get_lookup_and_lock_event_fd(), 2)
+    assert adapter.query_lookup_and_lock_result(lookup).popcount() == 0
+    load = adapter.submit_load_task([_key(1)], [_Buffer(bytes(64))])
+    assert _signalled(adapter.get_load_event_fd(), 2)
+    assert adapter.query_load_result(load).popcount() == 0
+    adapter.delete([_key(1)])  # must not raise: a raising delete kills LMCache's eviction thread
+    assert adapter.report_status()["errors"] >= 3
+
+
+def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapter, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(adapter._store, "get_into", lambda key, buf: release.wait(5) and None)
+    load = adapter.submit_load_task([_key(2)], [_Buffer(bytes(64))])
+    assert _signalled(adapter.get_load_event_fd(), 3), "a stalled task was never completed"
+    assert adapter.query_load_result(load).popcount() == 0
+    status = adapter.report_status()
+    assert not status["is_healthy"] and status["counters"]["timeouts"] == 1
+    release.set()
