@@ -57,21 +57,10 @@ def summarize_status(status: dict) -> dict:
     summary = {
         "healthy": status.get("is_healthy", status.get("healthy")),
         "l1": {key: l1.get(key) for key in keys},
-        "r3": _find_r3_counters(status),
+        # LMCache merges each server module's report_status() into the top level of /status.
+        "r3": status.get("lmcache_r3"),
     }
     return summary
-
-
-def _find_r3_counters(status: dict) -> dict | None:
-    """The R3 module's ``report_status`` block, wherever the server nests it."""
-    if isinstance(status.get("lmcache_r3"), dict):
-        return status["lmcache_r3"]
-    for value in status.values():
-        if isinstance(value, dict):
-            found = _find_r3_counters(value)
-            if found is not None:
-                return found
-    return None
 
 
 def _demo(rest: list[str]) -> int:

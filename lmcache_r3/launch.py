@@ -167,12 +167,6 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def __enter__(self) -> ManagedProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 def _kill_group(pgid: int) -> None:
     try:

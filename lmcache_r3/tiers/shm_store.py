@@ -274,30 +274,7 @@ class ShmObjectStore:
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return self._miss(key)
-        try:
-            length, digest = self._read_header(fd)
-            chunks = []
-            remaining = length
-            while remaining:
-                chunk = os.read(fd, min(remaining, _READ_CHUNK))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                remaining -= len(chunk)
-            payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if remaining or xxhash.xxh3_64_intdigest(payload) != digest:
-                raise _Corrupt
-            self._hit(key, length)
-            return payload
-        except _Corrupt:
-            return self._corrupt(key, path, fd)
-        finally:
-            os.close(fd)
+        return self._read_verified(key, _read_bytes)
 
     def get_into(self, key: bytes, buffer: bytearray | memoryview) -> int | None:
         """Read the payload of ``key`` into the start of ``buffer`` (no intermediate copy); its length, or None.
@@ -307,32 +284,29 @@ class ShmObjectStore:
         Raises:
             BufferTooSmallError: ``buffer`` is shorter than the payload (nothing is read; the object stays).
         """
-        path = self._path(key)
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise TypeError("get_into needs a writable buffer (bytearray, writable memoryview, numpy array)")
+        payload = self._read_verified(key, lambda fd, length: _read_into(fd, target, length))
+        return None if payload is None else len(payload)
+
+    def _read_verified(self, key: bytes, read_payload) -> bytes | memoryview | None:
+        """Open ``key``'s file, check its header, read the payload with ``read_payload(fd, length)`` and verify it.
+
+        A miss or a corrupt object (counted and removed) gives None.
+        """
+        path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return self._miss(key)
         try:
             length, digest = self._read_header(fd)
-            if length > target.nbytes:
-                raise BufferTooSmallError(
-                    f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
-                    f"pass a buffer of at least {length} bytes"
-                )
-            view = target[:length]
-            filled = 0
-            while filled < length:
-                count = os.readv(fd, [view[filled:]])
-                if count == 0:
-                    raise _Corrupt
-                filled += count
-            if xxhash.xxh3_64_intdigest(view) != digest:
+            payload = read_payload(fd, length)
+            if xxhash.xxh3_64_intdigest(payload) != digest:
                 raise _Corrupt
             self._hit(key, length)
-            return length
+            return payload
         except _Corrupt:
             return self._corrupt(key, path, fd)
         finally:
@@ -525,6 +499,36 @@ class ShmObjectStore:
 
 class _Corrupt(Exception):
     """Internal: the object just read failed a check."""
+
+
+def _read_bytes(fd: int, length: int) -> bytes:
+    """The next ``length`` bytes of ``fd``; a short file is corrupt."""
+    chunks = []
+    remaining = length
+    while remaining:
+        chunk = os.read(fd, min(remaining, _READ_CHUNK))
+        if not chunk:
+            raise _Corrupt
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _read_into(fd: int, target: memoryview, length: int) -> memoryview:
+    """Read the next ``length`` bytes of ``fd`` into the start of ``target``; a short file is corrupt."""
+    if length > target.nbytes:
+        raise BufferTooSmallError(
+            f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
+            f"pass a buffer of at least {length} bytes"
+        )
+    view = target[:length]
+    filled = 0
+    while filled < length:
+        count = os.readv(fd, [view[filled:]])
+        if count == 0:
+            raise _Corrupt
+        filled += count
+    return view
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -8,7 +8,6 @@ as vLLM does when it admits fewer external tokens than the lookup hit.
 import time
 
 import pytest
-from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata
 
 from tests.support.harness import BLOCK_SIZE
 
@@ -69,6 +68,33 @@ def run_retrieve(harness, metadata, request_id, timeout_s=30.0):
     return request_id in finished, request_id in failed
 
 
+def empty_scheduler_output():
+    """A step that schedules nothing: enough for the connector to plan pending loads."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[],
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def admit_and_load(harness, request, tables, admitted):
+    """Admit ``admitted`` external tokens into ``tables`` (one block list per group), let the connector plan the
+    step (``build_connector_meta``), and run it on the worker. Returns ``(metadata, done, failed)``."""
+    connector = harness.scheduler.connector
+    connector.update_state_after_alloc(request, AllocatedBlocks(tables), admitted)
+    metadata = connector.build_connector_meta(empty_scheduler_output())
+    done, failed = run_retrieve(harness, metadata, request.request_id)
+    return metadata, done, failed
+
+
 def stored_prompt(harness, seed, num_chunks):
     tokens = prompt(seed, num_chunks * CHUNK + 8)
     harness.generate([(f"store-{seed}", tokens)])
@@ -95,8 +121,7 @@ def test_partial_admission_retrieves_exactly_the_admitted_chunks_and_frees_the_r
     admitted_chunks = -(-admitted // CHUNK)
     assert wait_locks(lmcache_server, admitted_chunks) == admitted_chunks, "locks past the admitted end stay held"
 
-    metadata = LMCacheMPConnectorMetadata()
-    connector._process_retrieve_requests(metadata)
+    metadata = connector.build_connector_meta(empty_scheduler_output())
     (retrieve,) = [m for m in metadata.requests if m.direction == "RETRIEVE"]
     assert (retrieve.op.start, retrieve.op.end) == (0, admitted_chunks * CHUNK)
     done, failed = run_retrieve(harness, metadata, request.request_id)
@@ -117,30 +142,12 @@ def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_
     request = harness.make_request("P", tokens + [901])
     assert lookup(connector, request)[0] == 4 * CHUNK
     # 32 admitted tokens get one 32-token block, but the chunk holding them spans two: the coverage guard refuses.
-    connector.update_state_after_alloc(request, AllocatedBlocks([[44]]), 32)
-    metadata = connector.build_connector_meta(_empty_scheduler_output())
+    metadata, done, failed = admit_and_load(harness, request, [[44]], 32)
     assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
-    done, failed = run_retrieve(harness, metadata, request.request_id)
     assert done and failed, "the refused load must be reported as finished and failed, so vLLM recomputes"
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["retrieves_failed_closed"] == 1
     connector.request_finished(request, [44])
-
-
-def _empty_scheduler_output():
-    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
-
-    return SchedulerOutput(
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        scheduled_spec_decode_tokens={},
-        scheduled_encoder_inputs={},
-        num_common_prefix_blocks=[],
-        finished_req_ids=set(),
-        free_encoder_mm_hashes=[],
-    )
 
 
 def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_factory, lmcache_server):
@@ -151,8 +158,7 @@ def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_fa
     assert lookup(connector, request)[0] == 3 * CHUNK
     connector.update_state_after_alloc(request, AllocatedBlocks([[41]]), 0)
     assert wait_locks(lmcache_server, 0) == 0
-    metadata = LMCacheMPConnectorMetadata()
-    connector._process_retrieve_requests(metadata)
+    metadata = connector.build_connector_meta(empty_scheduler_output())
     assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
     assert connector.counters.values["zero_admissions"] == 1
     connector.request_finished(request, [41])

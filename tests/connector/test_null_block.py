@@ -7,10 +7,16 @@ real LMCache server (with an fs L2 tier we can scan) run requests that store and
 import time
 
 import pytest
-from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPConnectorMetadata
 
 from tests.connector.conftest import CHUNK, files_holding_the_null_page, tier_files
-from tests.connector.test_admission import AllocatedBlocks, lookup, run_retrieve, wait_locks
+from tests.connector.test_admission import (
+    AllocatedBlocks,
+    admit_and_load,
+    empty_scheduler_output,
+    lookup,
+    run_retrieve,
+    wait_locks,
+)
 from tests.support.harness import BLOCK_SIZE
 
 pytestmark = pytest.mark.harness
@@ -103,12 +109,8 @@ def test_a_null_block_after_a_real_one_fails_the_retrieve_closed(scheduler_harne
     blocks = 4 * CHUNK // BLOCK_SIZE
     attention = [30 + i for i in range(blocks)]
     recurrent = [20, 21, harness.null_block_id] + [22 + i for i in range(blocks - 3)]  # null after real blocks
-    connector.update_state_after_alloc(request, AllocatedBlocks([attention, recurrent]), hit)
-    metadata = LMCacheMPConnectorMetadata()
-    connector._process_retrieve_requests(metadata)
+    metadata, done, failed = admit_and_load(harness, request, [attention, recurrent], hit)
     assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
-    metadata.failed_retrieves = connector._failed_retrieves
-    done, failed = run_retrieve(harness, metadata, "J")
     assert done and failed, "an interior null block must end in recomputation"
     assert connector.counters.values["retrieves_failed_closed"] == 1
     assert wait_locks(server, 0) == 0
@@ -139,9 +141,8 @@ def test_hybrid_partial_admission_recomputes_and_frees_every_lock(scheduler_harn
     recurrent = [0] * (admitted // BLOCK_SIZE - 1) + [40]
     connector.update_state_after_alloc(request, AllocatedBlocks([attention, recurrent]), admitted)
     assert wait_locks(server, 2) == 2, "locks past the admitted end are freed at admission"
-    metadata = LMCacheMPConnectorMetadata()
-    connector._process_retrieve_requests(metadata)
-    metadata.failed_retrieves = connector._failed_retrieves
+    metadata = connector.build_connector_meta(empty_scheduler_output())
+    assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
     done, failed = run_retrieve(harness, metadata, "K")
     assert done and failed
     assert wait_locks(server, 0) == 0

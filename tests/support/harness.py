@@ -157,9 +157,6 @@ class PageView:
             seen.setdefault(key, self.page(layer, block))
         return list(seen.values())
 
-    def blocks_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
-        return {layer: b"".join(bytes(self.page(layer, b).numpy()) for b in blocks) for layer in self.regions}
-
 
 class SchedulerHarness:
     """Real ``Scheduler`` (scheduler-role connector inside) + a worker-role connector, stepping together."""
@@ -248,16 +245,14 @@ class SchedulerHarness:
         return list(groups[1].layer_names) if len(groups) > 1 else []
 
     def recurrent_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
-        return {
-            layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks)
-            for layer in self.recurrent_layers()
-        }
+        return self._layer_bytes(self.recurrent_layers(), blocks)
 
     def attention_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
-        return {
-            layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks)
-            for layer in self.attention_layers()
-        }
+        return self._layer_bytes(self.attention_layers(), blocks)
+
+    def _layer_bytes(self, layers: Sequence[str], blocks: Sequence[int]) -> dict[str, bytes]:
+        """Per layer, the bytes of ``blocks``' pages, concatenated in order."""
+        return {layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks) for layer in layers}
 
     # -- requests --------------------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4):
