@@ -289,12 +289,36 @@ def gpu_check() -> int:
         gather = _device_seconds(lambda c=captured, o=order: kernel(c, o, PROFILE, check=False))
         copy = _device_seconds(captured.copy)
         moved = captured.nbytes + captured.nbytes // 4  # int32 read + uint8 written
+        peer = _device_seconds(lambda c=captured, o=order: c[o].astype(cupy.uint8))
         print(
             f"{num_rows} rows x {PROFILE.num_layers}x{PROFILE.top_k}: gather+narrow {gather * 1e6:.1f} us "
             f"({moved / gather / 1e9:.0f} GB/s moved), device copy of the int32 input {copy * 1e6:.1f} us "
-            f"({2 * captured.nbytes / copy / 1e9:.0f} GB/s moved)"
+            f"({2 * captured.nbytes / copy / 1e9:.0f} GB/s moved; kernel/copy {gather / copy:.2f}x), "
+            f"CuPy fancy-index + astype {peer * 1e6:.1f} us (kernel {peer / gather:.2f}x faster)"
         )
-    return 0
+    return _gpu_check_torch(kernel, rng)
+
+
+def _gpu_check_torch(kernel: object, rng: np.random.Generator) -> int:
+    """The capture path hands the kernel torch CUDA tensors: check that they are read in place and exactly."""
+    try:
+        import torch
+    except ImportError:
+        print("SKIP     torch is not importable here: torch CUDA tensor input not checked")
+        return 0
+    if not torch.cuda.is_available():
+        print("SKIP     torch sees no CUDA device: torch CUDA tensor input not checked")
+        return 0
+    import cupy
+
+    captured = rng.integers(0, PROFILE.num_experts, (4096, *PROFILE.row_shape), dtype=np.int32)
+    order = rng.permutation(4096)[:3000]
+    device_captured = torch.from_numpy(captured).cuda()
+    device_order = torch.from_numpy(order).cuda()
+    got = cupy.asnumpy(kernel(device_captured, device_order, PROFILE))
+    status = "OK" if np.array_equal(got, gather_narrow_reference(captured, order, PROFILE)) else "MISMATCH"
+    print(f"{status:8s} torch CUDA tensors as input ({PROFILE.describe()})")
+    return 0 if status == "OK" else 1
 
 
 def _device_seconds(operation: Callable[[], object], reps: int = 50) -> float:

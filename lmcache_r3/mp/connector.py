@@ -36,15 +36,20 @@ from lmcache.integration.vllm.lmcache_mp_metadata import (
 from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from lmcache_r3.artifacts import TokenRange
+from lmcache_r3.artifacts import R3Profile, TokenRange
 from lmcache_r3.config import load_connector_config, stock_connector_extra_config
-from lmcache_r3.mp import planning, stock_fit
+from lmcache_r3.mp import capture, planning, stock_fit
+from lmcache_r3.mp.r3_client import R3Client
+from lmcache_r3.mp.r3_messages import R3WorkerMetadata
+from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
 
 logger = logging.getLogger(__name__)
 
 TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 SEPARATE_GROUPS_KEY = "lmcache_r3.separate_object_groups"
+ROUTED_EXPERTS_KEY = "lmcache_r3.routed_experts"
+R3_TIMEOUT_KEY = "lmcache_r3.r3_timeout_s"
 NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
 
 
@@ -94,7 +99,55 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
         merged[TRANSFER_MODE_KEY] = "lmcache_driven"
     # Whether the server runs with --separate-object-groups: said explicitly, or read from the same config file.
     merged.setdefault(SEPARATE_GROUPS_KEY, "--separate-object-groups" in config.server.extra_args)
+    merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
+    merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
     return merged
+
+
+def routed_experts_profile(vllm_config: Any, enabled: bool) -> R3Profile | None:
+    """The R3 row profile of the served model, or None when routed experts are off (a dense model, or asked off).
+
+    Raises:
+        ValueError: vLLM's own ``enable_return_routed_experts`` is on as well (two capturers on one router).
+    """
+    if vllm_config.aux_output_config.enable_return_routed_experts:
+        raise ValueError(
+            "vLLM's enable_return_routed_experts is on, and lmcache_r3's connector returns routed experts itself "
+            "(through kv_transfer_params, with LMCache hits included). Turn vLLM's off (drop "
+            '--enable-return-routed-experts), or set "lmcache_r3.routed_experts": false in kv_connector_extra_config.'
+        )
+    if not enabled:
+        return None
+    model_config = vllm_config.model_config
+    num_experts = model_config.get_num_experts()
+    if num_experts <= 0:
+        logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
+                    model_config.model)  # fmt: skip
+        return None
+    return R3Profile(
+        num_layers=model_config.get_total_num_hidden_layers(),
+        top_k=model_config.get_num_experts_per_tok(),
+        num_experts=num_experts,
+    )
+
+
+def _mirrored_group(kv_cache_config: Any) -> int:
+    """The KV cache group whose slots key the R3 slot mirror: the first full-attention group."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ()):
+        if isinstance(group.kv_cache_spec, FullAttentionSpec):
+            return index
+    return 0
+
+
+def _first_server_url(extra: dict[str, Any]) -> str:
+    urls = extra.get("lmcache.mp.server_urls")
+    if urls:
+        first = (urls if isinstance(urls, list) else str(urls).split(","))[0].strip()
+    else:
+        first = f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"
+    return first if "://" in first else f"tcp://{first}"
 
 
 class LMCacheMPConnector(StockLMCacheMPConnector):
@@ -112,6 +165,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                         transfer_config.kv_load_failure_policy)  # fmt: skip
             transfer_config.kv_load_failure_policy = "recompute"
         super().__init__(vllm_config, role, kv_cache_config)
+        self._kv_cache_config_for_r3 = kv_cache_config
         if self.lazy_offload and len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
             raise ValueError("lmcache.mp.lazy_offload is not supported with hybrid models by lmcache_r3; remove it")
         self.counters = ConnectorCounters()
@@ -125,6 +179,31 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._recompute_only: set[str] = set()
         self._failed_retrieves: list[tuple[str, list[int]]] = []
         self._unflushed_store_blocks: set[int] = set()
+        # Routed experts (R3).
+        self.r3_profile = routed_experts_profile(vllm_config, bool(merged[ROUTED_EXPERTS_KEY]))
+        self._r3_group = _mirrored_group(kv_cache_config)
+        self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
+        self.routed: RoutedExpertsBook | None = None
+        self.r3_capture: capture.RouterCapture | None = None
+        self.r3_step_source: capture.StepSource | None = None
+        """Where the worker reads a step's ``(slot_mapping, captured rows)``; None: the bound MoE routers."""
+        self._r3_layer: str | None = None
+        self._r3_out: R3WorkerMetadata | None = None
+        self._r3_sends_rows = False
+        if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
+            self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
+
+    def _init_routed_experts_book(self, vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> None:
+        timeout_s = float(extra[R3_TIMEOUT_KEY])
+        client = R3Client(_first_server_url(extra), self.scheduler_adapter.model_name, self.r3_profile, timeout_s)
+        self.routed = RoutedExpertsBook(
+            self.r3_profile,
+            chunk_size=self.scheduler_adapter.lmcache_tokens_per_chunk,
+            block_size=self._r3_block_size,
+            num_blocks=kv_cache_config.num_blocks,
+            client=client,
+            fetch_timeout_s=timeout_s,
+        )
 
     # ==============================================================================================
     # Scheduler side, in call order
@@ -144,10 +223,32 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                 tracker.num_stored_tokens = tracker.num_vllm_hit_tokens = tracker.num_lmcache_hit_tokens = 0
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
             return 0, False
+        if self.routed is not None:
+            self.routed.begin_lookup(request, num_computed_tokens)
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if result[0] is not None:
-            self._computed_at_lookup[request.request_id] = num_computed_tokens
+        if result[0] is None:
+            return result
+        self._computed_at_lookup[request.request_id] = num_computed_tokens
+        if self.routed is not None:
+            result = self._joint_hit(request, num_computed_tokens, result)
         return result
+
+    def _joint_hit(self, request: Any, num_computed_tokens: int, result: tuple[int, bool]) -> tuple[int, bool]:
+        """Cut LMCache's KV hit at the first chunk without valid R3: every hit is a joint KV+R3 hit."""
+        tracker = self._get_request_tracker(request.request_id)
+        kv_hit = tracker.num_lmcache_hit_tokens if result[0] else 0
+        if kv_hit <= num_computed_tokens:
+            self.routed.end_lookup(request)
+            return result
+        joint = self.routed.joint_hit_end(request, kv_hit)
+        if joint >= kv_hit:
+            return result
+        self._free_locks(tracker, TokenRange(joint, kv_hit))
+        tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = joint
+        need = max(0, joint - num_computed_tokens)
+        if joint == len(request.all_token_ids):
+            need = max(0, need - 1)  # the last token is always computed, as LMCache does for a full hit
+        return need, need > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record the admission: bound the retrieve by it and free every lookup lock no retrieve will consume."""
@@ -183,6 +284,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             )
         tracker.state = LMCacheMPRequestState.WAITING_FOR_LOAD
         self._admissions[request_id] = admission
+        if self.routed is not None:
+            self.routed.admitted(request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
         metadata = super().build_connector_meta(scheduler_output)
@@ -191,7 +294,18 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._failed_retrieves = []
         if self._recurrent:
             self._flush_before_block_reuse(scheduler_output, metadata)
+        metadata.r3_plans = {}
+        if self.routed is not None:
+            for entry in metadata.requests:
+                if entry.direction == "STORE":
+                    self.routed.on_store(entry.request_id, entry.op.start, entry.op.end)
+            metadata.r3_plans = self.routed.on_schedule(scheduler_output, self._r3_group)
         return metadata
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self.routed is not None:
+            self.routed.on_worker_output(connector_output.kv_connector_worker_meta)
 
     def _flush_before_block_reuse(self, scheduler_output: Any, metadata: LMCacheMPConnectorMetadata) -> None:
         """Have the worker wait for in-flight stores before this step writes a block one of them still reads.
@@ -221,9 +335,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._unflushed_store_blocks -= {NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """LMCache's cleanup; the returned params get the request's routed experts in this engine step."""
         self._forget(request.request_id)
         self._recompute_only.discard(request.request_id)
-        return super().request_finished(request, block_ids)
+        delay_free, params = super().request_finished(request, block_ids)
+        if self.routed is not None:
+            params = self.routed.request_finished(request, params)
+        return delay_free, params
 
     # -- retrieve planning --------------------------------------------------------------------------------------
     def _process_retrieve_requests(self, metadata: LMCacheMPConnectorMetadata) -> None:
@@ -370,18 +488,75 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
     # ==============================================================================================
     # Worker side
     # ==============================================================================================
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """LMCache's registration; then bind routed-experts capture to the MoE routers (TP rank 0 sends rows)."""
+        super().register_kv_caches(kv_caches)
+        if self.r3_profile is None:
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._r3_sends_rows = get_tensor_model_parallel_rank() == 0
+        groups = getattr(self._kv_cache_config_for_r3, "kv_cache_groups", None) or ()
+        self._r3_layer = groups[self._r3_group].layer_names[0] if groups else next(iter(kv_caches))
+        runners = capture.find_moe_runners(self._vllm_config)
+        if runners:
+            capture.require_eager_on_cpu(self._vllm_config)
+            self.r3_capture = capture.RouterCapture(self._vllm_config, runners)
+            logger.info("lmcache_r3: capturing routed experts of %d MoE layers (%s)",
+                        len(runners), self.r3_profile.describe())  # fmt: skip
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Report refused retrieves as failed loads, refuse any that would write the null block, then load."""
         metadata = self._get_connector_metadata()
+        if self.r3_capture is not None:
+            self.r3_capture.begin_step()
         for request_id, block_ids in getattr(metadata, "failed_retrieves", ()):
             report_unsubmitted_retrieve_failed(self.worker_adapter, request_id, block_ids)
         self._refuse_null_block_ops(metadata, "RETRIEVE")
         super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_save(self) -> None:
-        """Refuse any store that would read the null block, then store."""
-        self._refuse_null_block_ops(self._get_connector_metadata(), "STORE")
+        """Refuse any store that would read the null block, then store; then collect this step's routed experts."""
+        metadata = self._get_connector_metadata()
+        self._refuse_null_block_ops(metadata, "STORE")
         super().wait_for_save()
+        plans = getattr(metadata, "r3_plans", None)
+        if self.r3_profile is not None and plans and self._r3_sends_rows:
+            self._r3_out = self._collect_routed_experts(plans)
+
+    def _collect_routed_experts(self, plans: dict[str, Any]) -> R3WorkerMetadata:
+        out = R3WorkerMetadata()
+        try:
+            if self.r3_step_source is not None:
+                slot_mapping, captured = self.r3_step_source()
+            elif self.r3_capture is not None:
+                mapping = capture.forward_slot_mapping(self._r3_layer)
+                if mapping is None:
+                    raise capture.CaptureError(f"no slot mapping for layer {self._r3_layer} in the forward context")
+                slot_mapping, captured = self.r3_capture.step_rows(mapping)
+            else:
+                raise capture.CaptureError(
+                    "the model config names MoE experts but vLLM registered no MoE layer to capture from; "
+                    'set "lmcache_r3.routed_experts": false to serve it without routed experts'
+                )
+            out.rows, unmapped = capture.collect_step_rows(
+                slot_mapping, captured, plans, self._r3_block_size, self.r3_profile
+            )
+            out.unmapped_requests = tuple(unmapped)
+        except capture.CaptureError as error:
+            out.capture_error = str(error)
+            out.unmapped_requests = tuple(plans)
+        return out
+
+    def build_connector_worker_meta(self) -> Any:
+        stock = super().build_connector_worker_meta()
+        out, self._r3_out = self._r3_out, None
+        if out is None:
+            return stock
+        if stock is not None:
+            out.completed_store_requests = stock.completed_store_requests
+            out.failed_store_requests = stock.failed_store_requests
+        return out
 
     def _refuse_null_block_ops(self, metadata: Any, direction: str) -> None:
         kept = []

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 BLOCK_SIZE = 32
@@ -41,7 +42,38 @@ class HarnessConfig:
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
     mq_timeout_s: float = 30.0
+    routed_experts: bool = False
+    """Run lmcache_r3's routed-experts path, with :class:`EmulatedRouter` standing in for the MoE routers."""
     extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+class EmulatedRouter:
+    """The routing a MoE model would choose, as a pure function of the token prefix (the model cannot run here).
+
+    Like a real router, a position's experts depend on every token up to it, so a row served for the wrong
+    tokens or the wrong position shows. Expert ids use the whole range ``[0, num_experts)``.
+    """
+
+    def __init__(self, num_layers: int, top_k: int, num_experts: int) -> None:
+        self.shape = (num_layers, top_k)
+        self.num_experts = num_experts
+
+    def rows(self, token_ids: Sequence[int], start: int, end: int) -> np.ndarray:
+        """int32 ``[end - start, num_layers, top_k]``: the routing of positions ``[start, end)``."""
+        prefix = 0
+        out = np.empty((end - start, *self.shape), dtype=np.int32)
+        layers, top_k = self.shape
+        salts = np.arange(layers * top_k, dtype=np.uint64).reshape(layers, top_k) * np.uint64(0x9E3779B97F4A7C15)
+        for position in range(end):
+            prefix = (prefix * 1_000_003 + int(token_ids[position]) + 1) % (1 << 61)
+            if position >= start:
+                mixed = (np.uint64(prefix) ^ salts) * np.uint64(0xBF58476D1CE4E5B9)
+                out[position - start] = (mixed >> np.uint64(29)) % np.uint64(self.num_experts)
+        return out
+
+    def routed_experts(self, token_ids: Sequence[int], dtype: Any) -> np.ndarray:
+        """What a request over ``token_ids`` must return: rows of positions ``[0, len - 1)``."""
+        return self.rows(token_ids, 0, len(token_ids) - 1).astype(dtype)
 
 
 def attention_spec():
@@ -78,6 +110,7 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
         "lmcache.mp.port": server_port,
         "lmcache.mp.mq_timeout": config.mq_timeout_s,
         "lmcache.mp.mp_transfer_mode": config.transfer_mode,
+        "lmcache_r3.routed_experts": config.routed_experts,
         **config.extra_config,
     }
     vllm_config = VllmConfig(
@@ -212,6 +245,16 @@ class SchedulerHarness:
         self.real_blocks: dict[str, list[dict[int, int]]] = {}
         """Per request and group, block index -> the last non-null block id it ever had (align-mode Mamba
         replaces a request's older checkpoints by the null block as it advances)."""
+        self.outputs: dict[str, Any] = {}
+        """Per finished request, its ``kv_transfer_params`` as the engine returned them."""
+        self.router: EmulatedRouter | None = None
+        self._scheduled: Any = None
+        if config.routed_experts:
+            model = self.vllm_config.model_config
+            self.router = EmulatedRouter(
+                model.get_total_num_hidden_layers(), model.get_num_experts_per_tok(), model.get_num_experts()
+            )
+            self.worker.r3_step_source = self._captured_rows
         self.forward_hook: Callable[[Any], None] | None = None
         """Called with each step's ``SchedulerOutput`` between the connector's load and its save, where a model's
         forward pass reads and writes the KV (a test that emulates the model sets it; ``None``: no model)."""
@@ -280,6 +323,7 @@ class SchedulerHarness:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        self._scheduled = out
         meta = out.kv_connector_metadata
         with set_forward_context(None, self.vllm_config):
             self.worker.handle_preemptions(meta)
@@ -321,9 +365,33 @@ class SchedulerHarness:
             pooler_output=None,
             kv_connector_output=connector_output,
         )
-        self.scheduler.update_from_output(out, runner_output)
+        engine_outputs = self.scheduler.update_from_output(out, runner_output)
+        for client_outputs in engine_outputs.values():
+            for output in client_outputs.outputs:
+                if output.finish_reason is not None:
+                    self.outputs[output.request_id] = output.kv_transfer_params
         self.steps += 1
         return out
+
+    def _captured_rows(self) -> tuple[Any, Any]:
+        """What the model runner's capture buffer and slot mapping would hold after this step's forward pass.
+
+        Requests are laid out in reverse id order, so the connector cannot rely on the scheduler's order.
+        """
+        out = self._scheduled
+        slots, rows = [], []
+        for request_id in sorted(out.num_scheduled_tokens, reverse=True):
+            count = out.num_scheduled_tokens[request_id]
+            request = self.scheduler.requests[request_id]
+            end = request.num_computed_tokens  # already advanced past this step by the scheduler
+            start = end - count
+            blocks = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0], dtype=np.int64)
+            positions = np.arange(start, end)
+            slots.append(blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
+            rows.append(self.router.rows(request.all_token_ids, start, end))
+        if not slots:
+            return np.zeros(0, dtype=np.int64), np.zeros((0, *self.router.shape), dtype=np.int32)
+        return np.concatenate(slots), np.concatenate(rows)
 
     def run_until_idle(self, max_steps: int = 400, timeout_s: float = 60.0) -> int:
         """Step until every request finished and the connector has released them (stores drained)."""

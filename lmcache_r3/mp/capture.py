@@ -1,0 +1,169 @@
+"""Worker side of routed experts: bind a capturer to the MoE routers and map each step's rows to requests.
+
+vLLM registers every MoE layer's runner in ``compilation_config.static_forward_context``; vLLM's own
+``bind_routed_experts_capturer`` hooks their routers, so the connector captures without the model object. The
+capture buffer holds one int32 row per token of the step, in the runner's batch order, which is also the order
+of the attention ``slot_mapping``. The scheduler sends, per request, the positions it computes and their slots
+(:class:`~lmcache_r3.mp.r3_messages.StepRows`); :func:`locate_rows` inverts the slot mapping to find each
+position's row, whatever the batch order. Rows are then gathered and narrowed (CUDA kernel on GPU, numpy on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from lmcache_r3.artifacts import R3Profile, gather_narrow
+from lmcache_r3.mp.r3_messages import RequestStepRows, StepRows
+
+logger = logging.getLogger(__name__)
+
+StepSource = Callable[[], tuple[np.ndarray, Any]]
+"""Returns this step's ``(slot_mapping [n], captured int32 [n, layers, top_k])``."""
+
+
+class CaptureError(RuntimeError):
+    """Routed experts cannot be captured as configured; the message says what to change."""
+
+
+def locate_rows(
+    slot_mapping: np.ndarray, plans: Mapping[str, StepRows], block_size: int
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]]:
+    """Find, for every planned request, the capture row of each of its positions.
+
+    Args:
+        slot_mapping: ``[n]`` slot of each captured row (batch order); negative entries are padding.
+        plans: per request, the positions computed in this step and their blocks.
+        block_size: tokens per block of the group ``slot_mapping`` belongs to.
+
+    Returns:
+        ``(found, unmapped)``: per request whose every position was found exactly once, ``(row_index, slots)``
+        in position order; and the requests for which some position has no row (their routing is incomplete
+        and must not be guessed).
+    """
+    mapping = np.asarray(slot_mapping, dtype=np.int64)
+    order = np.argsort(mapping, kind="stable")
+    sorted_slots = mapping[order]
+    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    unmapped: list[str] = []
+    for request_id, plan in plans.items():
+        if plan.num_tokens == 0:
+            continue
+        slots = plan.slots(block_size)
+        left = np.searchsorted(sorted_slots, slots, side="left")
+        right = np.searchsorted(sorted_slots, slots, side="right")
+        if not np.all(right - left == 1):  # missing, or a slot two rows claim: either way not this request's rows
+            unmapped.append(request_id)
+            continue
+        found[request_id] = (order[left], slots)
+    return found, unmapped
+
+
+def collect_step_rows(
+    slot_mapping: np.ndarray, captured: Any, plans: Mapping[str, StepRows], block_size: int, profile: R3Profile
+) -> tuple[dict[str, RequestStepRows], list[str]]:
+    """This step's rows per request, narrowed to ``profile.dtype`` (``captured`` on CPU or GPU)."""
+    located, unmapped = locate_rows(slot_mapping, plans, block_size)
+    if not located:
+        return {}, unmapped
+    index = np.concatenate([row_index for row_index, _ in located.values()])
+    gathered = gather_narrow(captured, index, profile)
+    if not isinstance(gathered, np.ndarray):
+        gathered = gathered.get()  # CuPy -> host, one copy for the whole step
+    out: dict[str, RequestStepRows] = {}
+    offset = 0
+    for request_id, (row_index, slots) in located.items():
+        count = row_index.shape[0]
+        out[request_id] = RequestStepRows(plans[request_id].start, gathered[offset : offset + count], slots)
+        offset += count
+    return out, unmapped
+
+
+def find_moe_runners(vllm_config: Any) -> list[Any]:
+    """The MoE runners vLLM registered for this model, in layer order (empty for a dense model)."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    context = vllm_config.compilation_config.static_forward_context
+    runners = [layer for layer in context.values() if isinstance(layer, MoERunner)]
+    return sorted(runners, key=lambda runner: runner.layer_id)
+
+
+def require_eager_on_cpu(vllm_config: Any) -> None:
+    """On CPU, torch.compile traces the MoE forward before any capture hook exists, and capture silently stops.
+
+    Raises:
+        CaptureError: CPU without ``enforce_eager``.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not vllm_config.model_config.enforce_eager:
+        raise CaptureError(
+            "lmcache_r3 captures routed experts through the MoE routers, and on CPU torch.compile traces them "
+            "without the capture hook (every row would be missing). Start vLLM with enforce_eager=True "
+            "(--enforce-eager), or turn routed experts off with "
+            '"lmcache_r3.routed_experts": false in kv_connector_extra_config.'
+        )
+
+
+class RouterCapture:
+    """vLLM's ``RoutedExpertsCapturer`` bound to the model's MoE routers, counting capture calls per step."""
+
+    def __init__(self, vllm_config: Any, runners: list[Any]) -> None:
+        import torch
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        class _CountingCapturer(RoutedExpertsCapturer):
+            calls = 0
+
+            def capture(self, layer_id: int, topk_ids: Any) -> None:
+                self.calls += 1
+                super().capture(layer_id, topk_ids)
+
+        self.capturer = _CountingCapturer(
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
+        )
+        bind_routed_experts_capturer(torch.nn.ModuleList(runners), self.capturer)
+        self.num_layers_bound = len(runners)
+
+    def begin_step(self) -> None:
+        self.capturer.calls = 0
+
+    def step_rows(self, slot_mapping: Any) -> tuple[np.ndarray, Any]:
+        """``(slot_mapping, captured)`` of the step that just ran.
+
+        Raises:
+            CaptureError: tokens ran but no router reported its choice (capture is not hooked in).
+        """
+        if self.capturer.calls == 0:
+            raise CaptureError(
+                "a step ran tokens through the model but no MoE router reported its routing: capture is not "
+                "hooked into the forward pass (on CPU this happens under torch.compile; use --enforce-eager)"
+            )
+        num_rows = int(slot_mapping.shape[0])
+        captured = self.capturer.device_buffer[:num_rows]
+        mapping = slot_mapping.cpu().numpy() if hasattr(slot_mapping, "cpu") else np.asarray(slot_mapping)
+        if captured.device.type == "cpu":
+            return mapping, captured.numpy()
+        return mapping, captured  # the CUDA kernel reads it in place (__cuda_array_interface__)
+
+
+def forward_slot_mapping(layer_name: str) -> Any | None:
+    """The slot mapping of ``layer_name`` in the current forward context, or None outside one."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    context = get_forward_context()
+    mapping = context.slot_mapping
+    if isinstance(mapping, dict) and mapping.get(layer_name) is not None:
+        return mapping[layer_name]
+    metadata = context.attn_metadata
+    if isinstance(metadata, dict) and layer_name in metadata:
+        return getattr(metadata[layer_name], "slot_mapping", None)
+    return None

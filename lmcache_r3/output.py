@@ -1,0 +1,83 @@
+"""Routed experts in a vLLM output: how they are encoded, and how a trainer reads them back.
+
+Each finished request carries ``kv_transfer_params["routed_experts"]``: base64 of the ``np.save`` bytes of
+``[num_tokens - 1, num_layers, top_k]`` (uint8 for at most 256 experts, else uint16), the encoding vLLM's own
+OpenAI server uses for its field, so it survives JSON. Row ``i`` is the routing of token ``i`` (prompt tokens
+first, then output tokens); the last sampled token never ran, so it has no row.
+
+    from lmcache_r3 import routed_experts
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=64, stop_token_ids=[eos]))
+    rows = routed_experts(outputs[0])          # np.ndarray [prompt + output - 1, layers, top_k]
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+
+ROUTED_EXPERTS_KEY = "routed_experts"
+ROUTED_EXPERTS_ERROR_KEY = "routed_experts_error"
+SIBLINGS_KEY = "routed_experts_by_index"
+"""Parallel sampling (n > 1): ``{completion index (str): encoded rows}`` of every completion of the request."""
+
+
+class RoutedExpertsUnavailable(LookupError):
+    """The output carries no routed experts; the message says why and what to do instead."""
+
+
+def encode_routed_experts(rows: np.ndarray) -> str:
+    """``rows`` as base64 of ``np.save`` bytes (JSON-safe, and what vLLM's OpenAI server returns)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(rows), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_routed_experts(encoded: str | bytes) -> np.ndarray:
+    """The array :func:`encode_routed_experts` encoded (``allow_pickle`` stays off)."""
+    raw = base64.b64decode(encoded)
+    return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
+    """The routed experts of one completion of a finished vLLM ``RequestOutput``.
+
+    Args:
+        request_output: a finished ``RequestOutput`` of a vLLM run with lmcache_r3's connector.
+        index: the completion (``CompletionOutput.index``) when the request sampled several (n > 1); the first
+            completion's when None.
+
+    Returns:
+        ``[num_tokens - 1, num_layers, top_k]`` uint8 / uint16, num_tokens = prompt + that completion's outputs.
+
+    Raises:
+        RoutedExpertsUnavailable: no routing is in the output: the request is not finished, was aborted (a stop
+            *string* makes vLLM's front end abort it), or its rows were incomplete; the message says which.
+    """
+    completions = list(getattr(request_output, "outputs", None) or ())
+    completion = completions[0] if index is None else next((c for c in completions if c.index == index), None)
+    if completion is None:
+        raise RoutedExpertsUnavailable(f"the request has no completion with index {index}")
+    params = getattr(request_output, "kv_transfer_params", None) or {}
+    if not getattr(request_output, "finished", False):
+        raise RoutedExpertsUnavailable("routed experts are returned with the final output of a request only")
+    if ROUTED_EXPERTS_ERROR_KEY in params:
+        raise RoutedExpertsUnavailable(params[ROUTED_EXPERTS_ERROR_KEY])
+    siblings = params.get(SIBLINGS_KEY)
+    if siblings is not None and str(completion.index) in siblings:
+        return decode_routed_experts(siblings[str(completion.index)])
+    if ROUTED_EXPERTS_KEY in params and (len(completions) == 1 or siblings is None):
+        return decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+    if isinstance(getattr(completion, "stop_reason", None), str):
+        raise RoutedExpertsUnavailable(
+            f"the request ended on the stop string {completion.stop_reason!r}: vLLM's front end aborts such "
+            "requests after the engine ran them, so the engine returns no kv_transfer_params and no routing. "
+            "Stop on token ids instead (SamplingParams(stop_token_ids=[...]) or EOS), which end the request "
+            "inside the engine, and trim the text yourself."
+        )
+    raise RoutedExpertsUnavailable(
+        "the output carries no routed experts: serve the model with kv_connector LMCacheMPConnector from "
+        "lmcache_r3.mp.connector (routed experts on, a MoE model), and read the final output of the request"
+    )
