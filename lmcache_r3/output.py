@@ -20,6 +20,9 @@ import numpy as np
 
 ROUTED_EXPERTS_KEY = "routed_experts"
 ROUTED_EXPERTS_ERROR_KEY = "routed_experts_error"
+SOURCES_KEY = "lmcache_r3_sources"
+"""Where the request's rows came from: ``{"vllm_cached_tokens", "lmcache_tokens", "computed_tokens"}``, summing
+to ``num_tokens - 1``; each token's KV and routing came from the same source (computed includes output tokens)."""
 SIBLINGS_KEY = "routed_experts_by_index"
 """Parallel sampling (n > 1): ``{completion index (str): encoded rows}`` of every completion of the request."""
 

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from lmcache_r3.demo.model import FIRST_WORD_ID, SHAPES, build_tiny_moe
 from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
@@ -69,21 +70,23 @@ def demo_prompt(num_tokens: int) -> list[int]:
     return [FIRST_WORD_ID + (17 * i + 5) % 1000 for i in range(num_tokens)]
 
 
-def make_llm(model_dir: Path, kv_transfer_config: dict | None):
+def make_llm(model_dir: Path, kv_transfer_config: dict | None, **overrides: Any):
+    """vLLM on CPU for the tiny model: fp32, eager (routed-experts capture needs it on CPU), prefix caching on."""
     from vllm import LLM
 
-    return LLM(
-        model=str(model_dir),
-        dtype="float32",
-        max_model_len=1024,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config=kv_transfer_config,
-    )
+    settings: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 512,
+        "enable_prefix_caching": True,
+        "enforce_eager": True,
+        "seed": 0,
+        "kv_transfer_config": kv_transfer_config,
+    }
+    return LLM(**(settings | overrides))
 
 
 def greedy_tokens_without_connector(model_dir: Path, prompt_tokens: int, max_tokens: int) -> list[int]:

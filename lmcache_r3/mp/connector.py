@@ -189,6 +189,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Where the worker reads a step's ``(slot_mapping, captured rows)``; None: the bound MoE routers."""
         self._r3_layer: str | None = None
         self._r3_out: R3WorkerMetadata | None = None
+        self._r3_collected = True
         self._r3_sends_rows = False
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
@@ -505,11 +506,16 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             logger.info("lmcache_r3: capturing routed experts of %d MoE layers (%s)",
                         len(runners), self.r3_profile.describe())  # fmt: skip
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Called before the forward pass, whatever the order of load and forward: a new capture step starts."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.r3_capture is not None:
+            self.r3_capture.begin_step()
+        self._r3_collected = False
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Report refused retrieves as failed loads, refuse any that would write the null block, then load."""
         metadata = self._get_connector_metadata()
-        if self.r3_capture is not None:
-            self.r3_capture.begin_step()
         for request_id, block_ids in getattr(metadata, "failed_retrieves", ()):
             report_unsubmitted_retrieve_failed(self.worker_adapter, request_id, block_ids)
         self._refuse_null_block_ops(metadata, "RETRIEVE")
@@ -520,7 +526,14 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         metadata = self._get_connector_metadata()
         self._refuse_null_block_ops(metadata, "STORE")
         super().wait_for_save()
-        plans = getattr(metadata, "r3_plans", None)
+        self._collect_step()
+
+    def _collect_step(self) -> None:
+        """This step's rows, once, after its forward pass (wait_for_save, or worker metadata when it comes first)."""
+        if self._r3_collected or not self.has_connector_metadata():
+            return
+        self._r3_collected = True
+        plans = getattr(self._get_connector_metadata(), "r3_plans", None)
         if self.r3_profile is not None and plans and self._r3_sends_rows:
             self._r3_out = self._collect_routed_experts(plans)
 
@@ -549,6 +562,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         return out
 
     def build_connector_worker_meta(self) -> Any:
+        self._collect_step()
         stock = super().build_connector_worker_meta()
         out, self._r3_out = self._r3_out, None
         if out is None:

@@ -39,9 +39,15 @@ from lmcache_r3.artifacts import (
     decode_run,
     encode_run,
 )
-from lmcache_r3.mp.r3_client import R3Call, R3Client
+from lmcache_r3.mp.r3_client import R3Call, R3Client, R3TimeoutError
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata, StepRows
-from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, SIBLINGS_KEY, encode_routed_experts
+from lmcache_r3.output import (
+    ROUTED_EXPERTS_ERROR_KEY,
+    ROUTED_EXPERTS_KEY,
+    SIBLINGS_KEY,
+    SOURCES_KEY,
+    encode_routed_experts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ class _RequestState:
     """Prefix-cache ranges whose rows are not in the mirror yet (their blocks are computed in this step)."""
     blocks: list[int] = field(default_factory=list)
     """The request's blocks in the mirrored group."""
+    served: tuple[int, int] = (0, 0)
+    """Tokens of the latest (re)start served by vLLM's prefix cache and by LMCache, with their rows."""
     store_start: int | None = None
     kv_store_end: int = 0
     published_end: int = 0
@@ -123,6 +131,8 @@ class RoutedExpertsBook:
         self._finishing: dict[str, _Finishing] = {}
         self._siblings: dict[str, dict[str, str]] = {}
         self._stores: list[tuple[str, R3Call]] = []
+        self.retry_after_s = 10.0
+        self._quiet_until = 0.0
 
     # -- lookup ----------------------------------------------------------------------------------------------
     def _state(self, request: Any) -> _RequestState:
@@ -142,7 +152,7 @@ class RoutedExpertsBook:
         tokens = request.all_token_ids
         end = len(tokens) - len(tokens) % self.chunk_size
         call = None
-        if self.client is not None and end > start:
+        if self._server_answers() and end > start:
             self.counters.add("fetches")
             call = self.client.fetch(list(tokens[:end]), start, end, cache_salt=request.cache_salt or "")
         state.fetch = _PendingFetch(start, call)
@@ -163,6 +173,8 @@ class RoutedExpertsBook:
             decoded = decode_run(response.objects, self.profile, fetch.start, self.chunk_size)
         except Exception as error:  # a dead or slow server, a refused call: recompute rather than guess
             self.counters.add("fetch_failures")
+            if isinstance(error, R3TimeoutError):
+                self._quiet_until = time.monotonic() + self.retry_after_s
             logger.warning("lmcache_r3: R3 fetch for %s failed (%s); its LMCache hit is dropped",
                            request.request_id, error)  # fmt: skip
             return min(kv_hit_tokens, fetch.start)
@@ -245,6 +257,7 @@ class RoutedExpertsBook:
         external = state.admitted_external if state.fetched is not None else 0
         state.admitted_external = 0
         local = TokenRange(0, computed - external)
+        state.served = (local.end, external)
         blocks = tuple(state.blocks)
         state.local_pending = [(local, blocks)] if local.end > 0 else []
         if external:
@@ -311,8 +324,12 @@ class RoutedExpertsBook:
         self._finish()
         self._reap_stores()
 
+    def _server_answers(self) -> bool:
+        """False for ``retry_after_s`` after a call timed out: a dead server costs one bounded wait, not many."""
+        return self.client is not None and time.monotonic() >= self._quiet_until
+
     def _publish(self, state: _RequestState) -> None:
-        if self.client is None or state.store_start is None or state.incomplete:
+        if not self._server_answers() or state.store_start is None or state.incomplete:
             return
         size = self.chunk_size
         present = state.rows.present
@@ -340,6 +357,8 @@ class RoutedExpertsBook:
                 call.result(timeout=0)
             except Exception as error:
                 self.counters.add("store_failures")
+                if isinstance(error, R3TimeoutError):
+                    self._quiet_until = time.monotonic() + self.retry_after_s
                 logger.warning("lmcache_r3: R3 store for %s failed: %s", request_id, error)
         self._stores = waiting
 
@@ -363,6 +382,12 @@ class RoutedExpertsBook:
             state = self._requests.pop(request_id)
             del self._finishing[request_id]
             params = finishing.params
+            vllm_cached, lmcache = state.served
+            params[SOURCES_KEY] = {
+                "vllm_cached_tokens": vllm_cached,
+                "lmcache_tokens": lmcache,
+                "computed_tokens": finishing.num_tokens - 1 - vllm_cached - lmcache,
+            }
             try:
                 if state.incomplete:
                     raise R3AssemblyError(state.incomplete)

@@ -1,0 +1,137 @@
+"""Routed experts from a real vLLM engine (CPU, fp32, tiny Qwen3-MoE) through lmcache_r3's connector and a real
+LMCache server, compared with HF transformers' router on the same tokens.
+
+Row order: row ``i`` is token ``i`` (prompt, then output tokens); within a row, layer by decoder layer index, and
+each layer's experts in the router's top-k order (descending routing weight), which is ``torch.topk``'s order in
+HF transformers; the comparison is exact, order included.
+
+Each scenario runs once per module in a child process (``tests/support/engine_r3.py``): the engine spawns
+processes of its own and needs a ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 64
+
+
+def run_scenario(name: str, model: Path, server, out: Path, *extra: str) -> tuple[dict, dict]:
+    env = dict(os.environ, LMCACHE_R3_SERVER_PID=str(server.pid))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.engine_r3", "--model", str(model), "--host", server.settings.host,
+         "--port", str(server.settings.port), "--out", str(out), "--scenario", name, *extra],
+        capture_output=True, text=True, timeout=540, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"scenario {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    arrays = np.load(out / "arrays.npz")
+    return {key: arrays[key] for key in arrays.files}, json.loads((out / "facts.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_router(tiny_moe):
+    """The routing HF transformers computes for a token sequence: ``[len - 1, layers, top_k]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
+    top_k = model.config.num_experts_per_tok
+
+    def rows(tokens: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            out = model(torch.tensor([tokens[:-1].tolist()]), output_router_logits=True)
+        logits = [layer.reshape(-1, layer.shape[-1]) for layer in out.router_logits]
+        per_layer = [torch.topk(layer, top_k, dim=-1).indices for layer in logits]
+        return torch.stack(per_layer, dim=1).numpy()
+
+    return rows
+
+
+@pytest.fixture(scope="module")
+def main_run(tiny_moe, r3_server, tmp_path_factory):
+    return run_scenario("main", tiny_moe, r3_server, tmp_path_factory.mktemp("engine-main"))
+
+
+def assert_rows_match_hf(arrays, hf_router, key):
+    rows, tokens = arrays[f"{key}.rows"], arrays[f"{key}.tokens"]
+    assert rows.dtype == np.uint8 and rows.shape == (len(tokens) - 1, 2, 2)
+    np.testing.assert_array_equal(rows, hf_router(tokens), err_msg=f"{key}: rows differ from HF's router")
+
+
+def test_cold_request_rows_equal_hf_router_for_prompt_and_output_tokens(main_run, hf_router):
+    arrays, facts = main_run
+    assert facts["cold.sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 207}
+    assert_rows_match_hf(arrays, hf_router, "cold")
+
+
+def test_lmcache_hit_after_prefix_cache_reset_returns_the_cold_rows_and_tokens(main_run):
+    arrays, facts = main_run
+    assert facts["warm.sources"]["lmcache_tokens"] == 192 and facts["warm.cached"] == 192
+    np.testing.assert_array_equal(arrays["warm.tokens"], arrays["cold.tokens"])
+    np.testing.assert_array_equal(arrays["warm.rows"], arrays["cold.rows"])
+
+
+def test_vllm_prefix_cache_hit_returns_the_cold_rows(main_run):
+    arrays, facts = main_run
+    assert facts["local.sources"]["vllm_cached_tokens"] == 192
+    np.testing.assert_array_equal(arrays["local.rows"], arrays["cold.rows"])
+
+
+@pytest.mark.parametrize("cut", [37, 129, 200])
+def test_concurrent_requests_sharing_unaligned_prefixes(main_run, hf_router, cut):
+    arrays, facts = main_run
+    assert_rows_match_hf(arrays, hf_router, f"shared{cut}")
+    if cut > CHUNK:  # the shared prefix came back from LMCache or the sibling's fresh blocks
+        sources = facts[f"shared{cut}.sources"]
+        assert sources["lmcache_tokens"] + sources["vllm_cached_tokens"] >= cut - cut % CHUNK - CHUNK
+
+
+def test_r3_removed_while_kv_stays_shrinks_the_joint_hit_and_rows_stay_exact(main_run, hf_router):
+    arrays, facts = main_run
+    assert facts["r3cut.deleted"] == 2
+    # KV for 4 chunks is in LMCache, R3 for the first 2 only: the hit is the joint one.
+    assert facts["r3cut.warm.sources"]["lmcache_tokens"] == 2 * CHUNK
+    np.testing.assert_array_equal(arrays["r3cut.warm.rows"], arrays["r3cut.cold.rows"])
+    assert_rows_match_hf(arrays, hf_router, "r3cut.warm")
+
+
+def test_parallel_sampling_returns_each_completions_own_rows(main_run, hf_router):
+    arrays, _ = main_run
+    assert_rows_match_hf(arrays, hf_router, "parallel.0")
+    assert_rows_match_hf(arrays, hf_router, "parallel.1")
+
+
+def test_a_stop_string_gives_a_clear_error_instead_of_rows(main_run):
+    _, facts = main_run
+    assert "stop.rows" not in facts
+    message = facts["stop.error"]
+    assert f"stop string '{facts['stop.word']}'" in message and "stop_token_ids" in message
+
+
+def test_preempted_requests_return_exact_rows(tiny_moe, r3_server, hf_router, tmp_path):
+    arrays, facts = run_scenario("preempt", tiny_moe, r3_server, tmp_path)
+    assert facts["preemptions"] and facts["preemptions"] > 0, "the KV pool was meant to force preemption"
+    for i in range(4):
+        assert_rows_match_hf(arrays, hf_router, f"p{i}")
+
+
+def test_lmcache_server_killed_mid_run_requests_recompute_with_exact_rows(
+    tiny_moe, lmcache_server_factory, hf_router, tmp_path
+):
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    doomed = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+    arrays, facts = run_scenario("server_killed", tiny_moe, doomed, tmp_path, "--mq-timeout", "5")
+    assert facts["killed_pid"] == doomed.pid and not doomed.process.alive()
+    assert facts["dead.sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 207}
+    np.testing.assert_array_equal(arrays["dead.rows"], arrays["alive.rows"])
+    assert_rows_match_hf(arrays, hf_router, "dead")
