@@ -137,6 +137,25 @@ def tiny_moe(model_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dense_config(tiny_moe, model_cache_dir) -> Path:
+    """The config and tokenizer of a dense Qwen3 (no MoE layers), for scheduler-side tests (no weights)."""
+    import json
+    import shutil
+
+    out = model_cache_dir / "tiny-dense-config"
+    if not out.exists():
+        shutil.copytree(tiny_moe, out, ignore=shutil.ignore_patterns("*.safetensors"))
+        config = json.loads((out / "config.json").read_text())
+        for key in ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "router_aux_loss_coef",
+                    "output_router_logits"):  # fmt: skip
+            config.pop(key, None)
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_wide(model_cache_dir) -> Path:
     """Qwen3-MoE, 4 layers, 300 experts, top-3 (uint16 routing), so nothing is tuned to one shape."""
     from lmcache_r3.demo.model import WIDE, build_tiny_moe
@@ -153,9 +172,11 @@ def scheduler_harness_factory(tiny_moe, lmcache_server):
 
     built = []
 
-    def factory(server=None, **overrides):
+    def factory(server=None, model_dir=None, **overrides):
         server = server or lmcache_server
-        harness = SchedulerHarness(tiny_moe, server.settings.host, server.settings.port, HarnessConfig(**overrides))
+        harness = SchedulerHarness(
+            model_dir or tiny_moe, server.settings.host, server.settings.port, HarnessConfig(**overrides)
+        )
         built.append(harness)
         return harness
 

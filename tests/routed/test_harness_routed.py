@@ -93,3 +93,160 @@ def test_routed_experts_reads_a_request_output(r3_harness):
         kv_transfer_params = harness.outputs["r"]
 
     np.testing.assert_array_equal(routed_experts(Output()), expected_rows(harness, "r", tokens, 2))
+
+
+def test_chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness):
+    harness = r3_harness(max_num_batched_tokens=48)  # steps end inside blocks and chunks
+    base = prompt(2 * CHUNK + 40, seed=4)
+    requests = {f"c{i}": base[: 50 + 40 * i] + prompt(30, seed=40 + i) for i in range(4)}
+    harness.generate(requests.items(), max_tokens=5)
+    harness.scheduler.connector.routed.settle(10)
+    harness.reset_prefix_cache()
+    again = {f"again{i}": tokens for i, tokens in enumerate(requests.values())}
+    harness.generate(again.items(), max_tokens=5)
+    for request_id, tokens in (requests | again).items():
+        np.testing.assert_array_equal(returned_rows(harness, request_id), expected_rows(harness, request_id, tokens, 5))
+    sources = [harness.outputs[f"again{i}"]["lmcache_r3_sources"] for i in range(4)]
+    assert sum(s["lmcache_tokens"] for s in sources) > 0, sources
+
+
+def test_preempted_requests_return_exact_rows(r3_harness):
+    harness = r3_harness(num_blocks=14, max_num_batched_tokens=64)  # 13 usable blocks: 416 tokens
+    requests = {f"p{i}": prompt(150, seed=50 + i) for i in range(3)}
+    preempted: set[str] = set()
+    for request_id, tokens in requests.items():
+        harness.add_request(request_id, tokens, max_tokens=60)
+    while harness.scheduler.has_requests() or harness.scheduler.requests:
+        out = harness.step()
+        preempted |= set(out.preempted_req_ids or ())
+    assert preempted, "the pool was meant to force a preemption"
+    for request_id, tokens in requests.items():
+        expected = expected_rows(harness, request_id, tokens, 60)
+        np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
+
+
+def test_rows_complete_although_request_finished_runs_before_the_last_steps_rows(r3_harness):
+    """vLLM calls request_finished inside update_from_output, before update_connector_output brings that step's
+    rows; the params dict returned then must still carry every row when the output leaves the engine."""
+    harness = r3_harness()
+    connector = harness.scheduler.connector
+    events: list[tuple[str, frozenset]] = []
+    finished, update = connector.request_finished, connector.update_connector_output
+
+    def request_finished(request, block_ids):
+        events.append(("request_finished", frozenset({request.request_id})))
+        return finished(request, block_ids)
+
+    def update_connector_output(output):
+        rows = getattr(output.kv_connector_worker_meta, "rows", {}) or {}
+        events.append(("rows", frozenset(rows)))
+        return update(output)
+
+    connector.request_finished, connector.update_connector_output = request_finished, update_connector_output
+    tokens = prompt(90, seed=6)
+    harness.generate([("order", tokens)], max_tokens=3)
+    finished_at = events.index(("request_finished", frozenset({"order"})))
+    assert events[finished_at + 1] == ("rows", frozenset({"order"})), events[-4:]
+    np.testing.assert_array_equal(returned_rows(harness, "order"), expected_rows(harness, "order", tokens, 3))
+
+
+def test_a_request_aborted_mid_prefill_publishes_only_complete_chunks(r3_harness, r3_server):
+    from vllm.v1.request import RequestStatus
+
+    from lmcache_r3.artifacts import decode_run
+    from lmcache_r3.mp.r3_client import R3Client
+
+    harness = r3_harness(max_num_batched_tokens=48)
+    connector = harness.scheduler.connector
+    tokens = prompt(4 * CHUNK, seed=7)
+    harness.add_request("aborted", tokens, max_tokens=4)
+    while harness.scheduler.requests["aborted"].num_computed_tokens < 96:  # rows up to 96: one whole chunk
+        harness.step()
+    harness.scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    harness.run_until_idle()
+    connector.routed.settle(10)
+    assert "aborted" not in harness.outputs or ROUTED_EXPERTS_KEY not in (harness.outputs["aborted"] or {})
+    with R3Client(r3_server.url, connector.scheduler_adapter.model_name, connector.r3_profile) as client:
+        fetched = client.fetch(tokens).result()
+    assert fetched.num_hit_chunks <= 1
+    decoded = decode_run(fetched.objects, connector.r3_profile, 0, CHUNK)
+    expected = harness.router.rows(tokens, 0, CHUNK).astype(np.uint8)
+    for chunk in decoded.chunks:
+        np.testing.assert_array_equal(chunk.rows, expected)
+
+
+def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(r3_harness, r3_server):
+    from lmcache_r3.mp.r3_client import R3Client
+
+    harness = r3_harness()
+    connector = harness.scheduler.connector
+    tokens = prompt(4 * CHUNK + 9, seed=8)
+    harness.generate([("first", tokens)], max_tokens=3)
+    connector.routed.settle(10)
+    with R3Client(r3_server.url, connector.scheduler_adapter.model_name, connector.r3_profile) as client:
+        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
+    harness.reset_prefix_cache()
+    harness.generate([("second", tokens)], max_tokens=3)
+    assert harness.outputs["second"]["lmcache_r3_sources"]["lmcache_tokens"] == CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "second"), returned_rows(harness, "first"))
+    assert connector.routed.counters.values["joint_hits_shrunk"] >= 1
+
+
+def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harness_factory, lmcache_server_factory):
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    doomed = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+    harness = scheduler_harness_factory(
+        server=doomed, connector_module=CONNECTOR, routed_experts=True, mq_timeout_s=2.0,
+        extra_config={"lmcache_r3.r3_timeout_s": 1.0},
+    )  # fmt: skip
+    tokens = prompt(3 * CHUNK + 5, seed=9)
+    harness.generate([("before", tokens)], max_tokens=3)
+    harness.reset_prefix_cache()
+    doomed.stop()
+    harness.add_request("after", tokens, max_tokens=3)
+    harness.run_until_idle(max_steps=100_000, timeout_s=60)  # steps that wait on the dead server schedule nothing
+    assert harness.outputs["after"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
+    np.testing.assert_array_equal(returned_rows(harness, "after"), returned_rows(harness, "before"))
+
+
+def test_two_tp_ranks_worker_metadata_carries_rank_zeros_rows_once(r3_harness):
+    """Every TP rank captures the same routing; only rank 0 sends it, and vLLM's aggregator keeps it."""
+    from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from lmcache_r3.mp.r3_messages import R3WorkerMetadata, RequestStepRows
+
+    rows = RequestStepRows(0, np.arange(8, dtype=np.uint8).reshape(2, 2, 2), np.array([32, 33]))
+    rank0 = R3WorkerMetadata(completed_store_requests={"a": 1}, rows={"a": rows})
+    rank1 = LMCacheMPWorkerMetadata(completed_store_requests={"a": 1})
+
+    def output(meta):
+        return ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                                 kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=meta))  # fmt: skip
+
+    merged = KVOutputAggregator(expected_finished_count=2).aggregate([output(rank0), output(rank1)])
+    meta = merged.kv_connector_output.kv_connector_worker_meta
+    assert isinstance(meta, R3WorkerMetadata)
+    assert meta.completed_store_requests == {"a": 2}
+    np.testing.assert_array_equal(meta.rows["a"].rows, rows.rows)
+    both = rank0.aggregate(R3WorkerMetadata(rows={}))
+    assert list(both.rows) == ["a"]
+
+
+def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(
+    scheduler_harness_factory, r3_server, tiny_dense_config, caplog
+):
+    caplog.set_level("INFO", logger="lmcache_r3.mp.connector")
+    harness = scheduler_harness_factory(
+        server=r3_server, model_dir=tiny_dense_config, connector_module=CONNECTOR, routed_experts=True
+    )
+    assert harness.scheduler.connector.r3_profile is None and harness.scheduler.connector.routed is None
+    tokens = prompt(3 * CHUNK + 2, seed=10)
+    harness.generate([("dense", tokens)], max_tokens=2)
+    harness.reset_prefix_cache()
+    harness.generate([("dense-again", tokens)], max_tokens=2)
+    assert harness.scheduler.connector.counters.values["retrieves"] == 1  # the KV path is unchanged
+    assert not (harness.outputs["dense-again"] or {}).get(ROUTED_EXPERTS_KEY)
+    assert sum("no MoE layers" in r.getMessage() for r in caplog.records) == 2  # once per connector role
