@@ -86,6 +86,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Bound on any one KV request to the server before the connector gives up and recomputes."""
     r3_timeout_s: PositiveSeconds = 5.0
     """Bound on an R3 lookup, store or fetch; past it the R3 hit counts as a miss."""
+    save_decode_cache: bool = False
+    """Also store the KV (and routed experts) of generated tokens, so a multi-turn rollout's next turn reuses the
+    previous answer; off stores prompt tokens only (LMCache's default)."""
 
     def __post_init__(self) -> None:
         if self.server_url is not None and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", self.server_url):
@@ -203,6 +206,7 @@ def stock_connector_extra_config(config: Config, extra_config: Mapping[str, Any]
         "lmcache.mp.host": f"tcp://{host}",
         "lmcache.mp.port": int(port),
         "lmcache.mp.mq_timeout": config.connector.mq_timeout_s,
+        "lmcache.mp.save_decode_cache": config.connector.save_decode_cache,
     }
     entries.update(extra_config or {})
     return entries

@@ -1,8 +1,11 @@
-"""The main job, end to end on one machine: an LMCache MP server, vLLM (CPU) with the LMCache MP connector on a
-tiny MoE model, and two requests with the same prompt and vLLM's own prefix cache reset between them.
+"""The main job, end to end on one machine: RL-style rollouts of a tiny MoE with KV reuse and routed experts.
 
-The second request's prefix must come from LMCache (vLLM's cache was just emptied), and its greedy tokens must
-equal the first request's. Run it with ``make demo`` or ``lmcache-r3 demo``.
+``lmcache-r3 server`` starts the LMCache MP server from an ``LMCACHE_CONFIG_FILE`` (``demo/demo.yaml`` with free
+ports); vLLM (CPU) serves a tiny Qwen3-MoE with lmcache_r3's ``LMCacheMPConnector``, configured from the same file.
+A batch of multi-turn conversations shares a system prompt; each turn extends the previous turn's prompt and answer,
+and vLLM's prefix cache is reset between turns, so the shared prefixes come back from LMCache. Every request's
+routed experts are then checked against a cold run of the same tokens (no vLLM cache, LMCache emptied). Run it
+with ``make demo`` or ``lmcache-r3 demo``; it exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -13,19 +16,24 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from lmcache_r3.config import load_config
 from lmcache_r3.demo.model import FIRST_WORD_ID, SHAPES, build_tiny_moe
-from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
-from lmcache_r3.mp.server_process import LMCacheServer, loopback_settings, start_server
+from lmcache_r3.launch import TELEMETRY_OFF, ManagedProcess, executable, exit_on_sigterm, free_port
+from lmcache_r3.mp.server_process import LMCacheServer, settings_from_config
+from lmcache_r3.output import SOURCES_KEY, RoutedExpertsUnavailable, routed_experts
 
 BLOCK_SIZE = 32
-CHUNK_SIZE = 64
-CONNECTOR_MODULES = {
-    "lmcache_r3": "lmcache_r3.mp.connector",
-    "stock": "lmcache.integration.vllm.lmcache_mp_connector",
+EXAMPLE_CONFIG = Path(__file__).with_name("demo.yaml")
+CONNECTOR = {
+    "kv_connector": "LMCacheMPConnector",
+    "kv_connector_module_path": "lmcache_r3.mp.connector",
+    "kv_role": "kv_both",
 }
 
 
@@ -33,41 +41,35 @@ CONNECTOR_MODULES = {
 class RequestResult:
     name: str
     prompt_tokens: int
-    cached_tokens: int
     output_tokens: list[int]
-    seconds: float
+    vllm_cached_tokens: int
+    lmcache_tokens: int
+    computed_tokens: int
+    r3_shape: tuple[int, ...] | None
+    r3_equals_cold: bool | None = None
+    tokens_equal_cold: bool | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.r3_equals_cold) and bool(self.tokens_equal_cold)
 
 
 @dataclass
 class DemoResult:
-    first: RequestResult
-    second: RequestResult
-    lmcache_objects: int
+    requests: list[RequestResult]
     engine_start_s: float
-    connector: str
-    baseline_tokens: list[int] | None = None
-    """Greedy tokens of the same prompt from an engine without any KV connector, when asked for."""
+    seconds: float
+    baseline_tokens_equal: bool | None = None
+    problems: list[str] = field(default_factory=list)
 
     @property
-    def prefix_from_lmcache(self) -> bool:
-        return self.first.cached_tokens == 0 and self.second.cached_tokens > 0
-
-    @property
-    def tokens_equal(self) -> bool:
-        return self.first.output_tokens == self.second.output_tokens
-
-    @property
-    def matches_baseline(self) -> bool | None:
-        return None if self.baseline_tokens is None else self.baseline_tokens == self.first.output_tokens
+    def lmcache_tokens(self) -> int:
+        return sum(r.lmcache_tokens for r in self.requests)
 
     @property
     def ok(self) -> bool:
-        return self.prefix_from_lmcache and self.tokens_equal and self.matches_baseline is not False
-
-
-def demo_prompt(num_tokens: int) -> list[int]:
-    """A deterministic prompt of word tokens (no special ids)."""
-    return [FIRST_WORD_ID + (17 * i + 5) % 1000 for i in range(num_tokens)]
+        return not self.problems and all(r.ok for r in self.requests) and self.baseline_tokens_equal is not False
 
 
 def make_llm(model_dir: Path, kv_transfer_config: dict | None, **overrides: Any):
@@ -89,148 +91,194 @@ def make_llm(model_dir: Path, kv_transfer_config: dict | None, **overrides: Any)
     return LLM(**(settings | overrides))
 
 
-def greedy_tokens_without_connector(model_dir: Path, prompt_tokens: int, max_tokens: int) -> list[int]:
-    """The reference: the same prompt on an engine with no KV connector at all."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def words(length: int, seed: int) -> list[int]:
+    """Deterministic word tokens (no special ids)."""
+    return [FIRST_WORD_ID + int(t) for t in np.random.default_rng(seed).integers(0, 1000, size=length)]
 
-    llm = make_llm(model_dir, None)
+
+def write_demo_config(workdir: Path) -> Path:
+    """``demo.yaml`` with two free loopback ports, in ``workdir``."""
+    text = EXAMPLE_CONFIG.read_text()
+    text = text.replace("port: 5555", f"port: {free_port()}").replace("http_port: 8080", f"http_port: {free_port()}")
+    path = workdir / "lmcache_r3.yaml"
+    path.write_text(text)
+    return path
+
+
+def start_config_server(config_file: Path, log_path: Path) -> LMCacheServer:
+    """``lmcache-r3 server --config FILE``: the documented way to run the server, as its own process."""
+    process = ManagedProcess("lmcache-r3 server", [executable("lmcache-r3"), "server", "--config", str(config_file)],
+                             log_path)  # fmt: skip
+    server = LMCacheServer(settings_from_config(load_config(config_file)), process)
     try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        out = llm.generate([TokensPrompt(prompt_token_ids=demo_prompt(prompt_tokens))], greedy, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+        process.wait_ready(server.ping, 90.0, "answering RPC ping")
+    except BaseException:
+        process.stop()
+        raise
+    return server
 
 
-def run_demo(
-    server: LMCacheServer,
-    model_dir: Path,
-    connector: str = "lmcache_r3",
-    prompt_tokens: int = 200,
-    max_tokens: int = 16,
-) -> DemoResult:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+class Rollouts:
+    """The engine and the bookkeeping of one demo run."""
 
-    started = time.monotonic()
-    llm = make_llm(
-        model_dir,
-        {
-            "kv_connector": "LMCacheMPConnector",
-            "kv_connector_module_path": CONNECTOR_MODULES[connector],
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": server.connector_extra_config(),
-        },
-    )
-    engine_start_s = time.monotonic() - started
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompt = TokensPrompt(prompt_token_ids=demo_prompt(prompt_tokens))
+    def __init__(self, llm: Any, server: LMCacheServer, max_tokens: int) -> None:
+        from vllm import SamplingParams
 
-    def generate(name: str) -> RequestResult:
-        t0 = time.monotonic()
-        out = llm.generate([prompt], greedy, use_tqdm=False)[0]
-        return RequestResult(
-            name=name,
-            prompt_tokens=len(out.prompt_token_ids),
-            cached_tokens=int(out.num_cached_tokens or 0),
-            output_tokens=list(out.outputs[0].token_ids),
-            seconds=time.monotonic() - t0,
-        )
+        self.llm = llm
+        self.server = server
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    try:
-        first = generate("first")
-        # vLLM's prefix cache is emptied, so any cached token of the second request came from LMCache.
-        if not llm.reset_prefix_cache():
+    def generate(self, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], Any, dict, np.ndarray | str]]:
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()], self.params,
+                                    use_tqdm=False)  # fmt: skip
+        results = {}
+        for name, output in zip(prompts, outputs, strict=True):
+            try:
+                rows: np.ndarray | str = routed_experts(output)
+            except RoutedExpertsUnavailable as error:
+                rows = str(error)
+            sources = (output.kv_transfer_params or {}).get(SOURCES_KEY) or {}
+            results[name] = (list(output.outputs[0].token_ids), output, sources, rows)
+        return results
+
+    def reset_caches(self, lmcache_too: bool) -> None:
+        if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
-        objects = _wait_for_objects(server, expected=prompt_tokens // CHUNK_SIZE)
-        second = generate("second (vLLM prefix cache reset)")
-    finally:
-        # Stop the engine while the server still answers, so the connector unregisters cleanly.
-        llm.llm_engine.engine_core.shutdown()
-    return DemoResult(
-        first=first, second=second, lmcache_objects=objects, engine_start_s=engine_start_s, connector=connector
-    )
+        time.sleep(0.3)  # LMCache commits KV and R3 stores asynchronously
+        if lmcache_too:
+            self.server.clear_l1()
 
 
-def _wait_for_objects(server: LMCacheServer, expected: int, timeout_s: float = 30.0) -> int:
-    """LMCache commits stores asynchronously; wait until the first request's chunks are visible."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        count = server.l1_counts()["total_object_count"]
-        if count >= expected or time.monotonic() > deadline:
-            return count
-        time.sleep(0.02)
+def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int, max_tokens: int) -> DemoResult:
+    rollouts = Rollouts(llm, server, max_tokens)
+    system = words(96, seed=0)
+    history = {f"conv{c}": system + words(24 + 7 * c, seed=100 + c) for c in range(conversations)}
+    requests: list[RequestResult] = []
+    prompts_of: dict[str, list[int]] = {}
+    rows_of: dict[str, np.ndarray] = {}
+    started = time.monotonic()
+    for turn in range(1, turns + 1):
+        batch = {f"{conv}/turn{turn}": tokens for conv, tokens in history.items()}
+        for name, (tokens, _, sources, rows) in rollouts.generate(batch).items():
+            conv = name.split("/")[0]
+            prompts_of[name] = batch[name]
+            requests.append(RequestResult(
+                name=name, prompt_tokens=len(batch[name]), output_tokens=tokens,
+                vllm_cached_tokens=sources.get("vllm_cached_tokens", 0),
+                lmcache_tokens=sources.get("lmcache_tokens", 0), computed_tokens=sources.get("computed_tokens", 0),
+                r3_shape=tuple(rows.shape) if isinstance(rows, np.ndarray) else None,
+                error=None if isinstance(rows, np.ndarray) else rows,
+            ))  # fmt: skip
+            if isinstance(rows, np.ndarray):
+                rows_of[name] = rows
+            # The next turn: this turn's prompt and answer, then the user's next message.
+            history[conv] = batch[name] + tokens + words(16, seed=1000 * turn + len(history[conv]))
+        rollouts.reset_caches(lmcache_too=False)  # the next turn's shared prefixes must come from LMCache
+    # The reference: every request again, cold (vLLM's prefix cache reset and LMCache emptied before each).
+    for result in requests:
+        rollouts.reset_caches(lmcache_too=True)
+        tokens, _, sources, rows = rollouts.generate({result.name: prompts_of[result.name]})[result.name]
+        result.tokens_equal_cold = tokens == result.output_tokens
+        result.r3_equals_cold = (
+            isinstance(rows, np.ndarray) and result.name in rows_of and np.array_equal(rows, rows_of[result.name])
+        )
+    demo = DemoResult(requests=requests, engine_start_s=0.0, seconds=time.monotonic() - started)
+    if demo.lmcache_tokens == 0:
+        demo.problems.append("no request was served from LMCache: the demo did not exercise KV + R3 reuse")
+    return demo
 
 
 def print_report(result: DemoResult) -> None:
-    for req in (result.first, result.second):
-        print(
-            f"  {req.name:<34} prompt {req.prompt_tokens} tokens, cached {req.cached_tokens:>3}, "
-            f"{req.seconds:.2f} s, tokens {req.output_tokens}"
-        )
-    print(f"  LMCache server holds {result.lmcache_objects} KV objects (chunk size {CHUNK_SIZE})")
-    verdict = "yes" if result.prefix_from_lmcache else "NO"
-    print(f"  second request's prefix served by LMCache: {verdict} ({result.second.cached_tokens} tokens)")
-    print(f"  greedy tokens identical: {'yes' if result.tokens_equal else 'NO'}")
-    if result.baseline_tokens is not None:
-        same = "yes" if result.matches_baseline else "NO"
-        print(f"  identical to an engine without any KV connector: {same}")
+    print(f"  {'request':<14} {'prompt':>6} {'vLLM cache':>10} {'LMCache':>8} {'computed':>9}  {'R3 shape':<15} "
+          f"{'R3 = cold':<9} {'tokens = cold'}")  # fmt: skip
+    for r in result.requests:
+        shape = "x".join(map(str, r.r3_shape)) if r.r3_shape else "-"
+        print(f"  {r.name:<14} {r.prompt_tokens:>6} {r.vllm_cached_tokens:>10} {r.lmcache_tokens:>8} "
+              f"{r.computed_tokens:>9}  {shape:<15} {_yes(r.r3_equals_cold):<9} "
+              f"{_yes(r.tokens_equal_cold)}")  # fmt: skip
+        if r.error:
+            print(f"    error: {r.error}")
+    print(f"  tokens served by LMCache (KV + routed experts): {result.lmcache_tokens}")
+    if result.baseline_tokens_equal is not None:
+        print(f"  cold tokens identical to an engine without any KV connector: {_yes(result.baseline_tokens_equal)}")
+    for problem in result.problems:
+        print(f"  PROBLEM: {problem}")
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def baseline_tokens_equal(model_dir: Path, result: DemoResult, max_tokens: int) -> bool:
+    """The first turn's prompts on an engine with no KV connector give the same greedy tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    first_turn = [r for r in result.requests if r.name.endswith("/turn1")]
+    llm = make_llm(model_dir, None)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        # The prompts are rebuilt the same way run_rollouts builds turn 1.
+        system = words(96, seed=0)
+        prompts = [system + words(24 + 7 * c, seed=100 + c) for c in range(len(first_turn))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return all(list(o.outputs[0].token_ids) == r.output_tokens for o, r in zip(outputs, first_turn, strict=True))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-r3 demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a temp dir)")
+    parser.add_argument("--workdir", type=Path, default=None, help="config and logs go here (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small", help="which tiny MoE model to run")
     parser.add_argument("--model-cache", type=Path, default=None, help="where tiny models are built and kept")
-    parser.add_argument("--connector", choices=sorted(CONNECTOR_MODULES), default="lmcache_r3")
-    parser.add_argument(
-        "--compare-without-connector",
-        action="store_true",
-        help="also run the prompt on an engine without any connector",
-    )
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--compare-without-connector", action="store_true",
+                        help="also run turn 1 on an engine without any connector")  # fmt: skip
     args = parser.parse_args(argv)
 
     exit_on_sigterm()
-    for key, value in TELEMETRY_OFF.items():
-        os.environ[key] = value
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    os.environ.update(TELEMETRY_OFF)
+    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_LOGGING_LEVEL", "ERROR"),
+                       ("LMCACHE_LOG_LEVEL", "ERROR"), ("LMCACHE_DISABLE_BANNER", "1")):  # fmt: skip
+        os.environ.setdefault(key, value)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lmcache_r3-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
 
     shape = SHAPES[args.shape]
-    print(
-        f"[1/3] tiny MoE model {shape.name}: {shape.num_layers} layers, {shape.num_experts} experts, top-{shape.top_k}"
-    )
+    print(f"[1/4] tiny MoE model {shape.name}: {shape.num_layers} layers, {shape.num_experts} experts, "
+          f"top-{shape.top_k}")  # fmt: skip
     model_dir = build_tiny_moe(shape, args.model_cache)
-    print(f"      {model_dir}")
-    settings = loopback_settings(chunk_size=CHUNK_SIZE)
-    print(f"[2/3] LMCache MP server on {settings.host}:{settings.port} (log {workdir / 'lmcache-server.log'})")
-    server = start_server(settings, workdir / "lmcache-server.log")
+    config_file = write_demo_config(workdir)
+    os.environ["LMCACHE_CONFIG_FILE"] = str(config_file)
+    print(f"[2/4] lmcache-r3 server --config {config_file} (log {workdir / 'lmcache-server.log'})")
+    server = start_config_server(config_file, workdir / "lmcache-server.log")
     try:
-        print(f"      ready, pid {server.pid}")
-        print(
-            f"[3/3] vLLM (CPU) with the {args.connector} LMCache MP connector: one prompt twice, "
-            "vLLM's prefix cache reset between"
-        )
-        result = run_demo(server, model_dir, connector=args.connector)
+        print(f"      ready, pid {server.pid}, {server.url}")
+        print("[3/4] vLLM (CPU) with lmcache_r3's LMCacheMPConnector (configured from LMCACHE_CONFIG_FILE)")
+        started = time.monotonic()
+        llm = make_llm(model_dir, CONNECTOR)
+        engine_start_s = time.monotonic() - started
+        print(f"      engine started in {engine_start_s:.1f} s")
+        print(f"[4/4] {args.conversations} conversations x {args.turns} turns, vLLM's prefix cache reset between "
+              "turns; then each request again, cold")  # fmt: skip
+        try:
+            result = run_rollouts(llm, server, args.conversations, args.turns, args.max_tokens)
+        finally:
+            llm.llm_engine.engine_core.shutdown()  # while the server still answers
+        result.engine_start_s = engine_start_s
     finally:
-        server.stop()
+        server.process.stop()
     if args.compare_without_connector:
-        result.baseline_tokens = greedy_tokens_without_connector(model_dir, result.first.prompt_tokens, 16)
-    print(f"      engine started in {result.engine_start_s:.1f} s")
+        result.baseline_tokens_equal = baseline_tokens_equal(model_dir, result, args.max_tokens)
     print_report(result)
     if args.json:
-        payload = asdict(result) | {
-            "prefix_from_lmcache": result.prefix_from_lmcache,
-            "tokens_equal": result.tokens_equal,
-            "matches_baseline": result.matches_baseline,
-            "ok": result.ok,
-        }
+        payload = asdict(result) | {"ok": result.ok, "lmcache_tokens": result.lmcache_tokens}
         args.json.write_text(json.dumps(payload, indent=2))
     print("DEMO OK" if result.ok else "DEMO FAILED")
     return 0 if result.ok else 1

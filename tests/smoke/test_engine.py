@@ -1,6 +1,7 @@
-"""vLLM (CPU) with the LMCache MP connector: a prompt's prefix is served by LMCache after vLLM's own prefix
-cache is reset, and greedy decoding is unchanged. Runs the demo's code path in a child process (the engine
-spawns processes of its own and needs a `__main__` guard)."""
+"""The main job (`make demo`) end to end: `lmcache-r3 server` from a config file, vLLM (CPU) with lmcache_r3's
+connector, multi-turn rollouts with vLLM's prefix cache reset between turns. Every request's routed experts and
+greedy tokens must equal a cold run, and LMCache must have served part of the prompts. Runs the demo in a child
+process (the engine spawns processes of its own and needs a `__main__` guard)."""
 
 import json
 import subprocess
@@ -11,39 +12,27 @@ import pytest
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.parametrize(
-    ("shape", "connector", "baseline"),
-    [("small", "lmcache_r3", True), ("wide", "lmcache_r3", False), ("small", "stock", False)],
-)
-def test_prefix_served_by_lmcache_gives_identical_greedy_tokens(shape, connector, baseline, tmp_path, model_cache_dir):
+@pytest.mark.parametrize(("shape", "baseline", "dtype_rows"), [("small", True, (2, 2)), ("wide", False, (4, 3))])
+def test_demo_serves_prefixes_from_lmcache_with_routed_experts_equal_to_a_cold_run(
+    shape, baseline, dtype_rows, tmp_path, model_cache_dir
+):
     result_file = tmp_path / "result.json"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmcache_r3.demo.run",
-            "--shape",
-            shape,
-            "--workdir",
-            str(tmp_path),
-            "--json",
-            str(result_file),
-            "--model-cache",
-            str(model_cache_dir),
-            "--connector",
-            connector,
-            *(["--compare-without-connector"] if baseline else []),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
+        [sys.executable, "-m", "lmcache_r3.demo.run", "--shape", shape, "--workdir", str(tmp_path),
+         "--json", str(result_file), "--model-cache", str(model_cache_dir),
+         *(["--compare-without-connector"] if baseline else [])],
+        capture_output=True, text=True, timeout=480,
+    )  # fmt: skip
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "DEMO OK" in proc.stdout
     result = json.loads(result_file.read_text())
-    assert result["first"]["cached_tokens"] == 0
-    # 200-token prompt, 64-token chunks: three full chunks come from LMCache.
-    assert result["second"]["cached_tokens"] == 192
-    assert result["second"]["output_tokens"] == result["first"]["output_tokens"]
-    assert len(result["first"]["output_tokens"]) == 16
+    requests = result["requests"]
+    assert len(requests) == 12 and result["ok"]
+    assert result["lmcache_tokens"] >= 4 * 128, "turn 2 of every conversation should come back from LMCache"
+    for request in requests:
+        assert request["r3_equals_cold"] and request["tokens_equal_cold"], request
+        num_tokens = request["prompt_tokens"] + len(request["output_tokens"])
+        assert tuple(request["r3_shape"]) == (num_tokens - 1, *dtype_rows)
+        assert request["vllm_cached_tokens"] + request["lmcache_tokens"] + request["computed_tokens"] == num_tokens - 1
     if baseline:
-        assert result["baseline_tokens"] == result["first"]["output_tokens"], "the connector changed greedy output"
+        assert result["baseline_tokens_equal"] is True, "the connector changed greedy output"
