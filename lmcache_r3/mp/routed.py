@@ -131,6 +131,8 @@ class RoutedExpertsBook:
         self._finishing: dict[str, _Finishing] = {}
         self._siblings: dict[str, dict[str, str]] = {}
         self._stores: list[tuple[str, R3Call]] = []
+        self._dirty: set[str] = set()
+        """Requests whose rows, pending reads or store window changed: the ones to resolve and publish."""
         self.retry_after_s = 10.0
         self._quiet_until = 0.0
 
@@ -272,6 +274,7 @@ class RoutedExpertsBook:
                 self.counters.add("rows_from_lmcache", rows.shape[0])
         state.fetched = None
         self._read_local(state)
+        self._dirty.add(state.request.request_id)
 
     def _read_local(self, state: _RequestState) -> None:
         still = []
@@ -300,6 +303,7 @@ class RoutedExpertsBook:
             state.store_start = start - start % self.chunk_size
             state.published_end = max(state.published_end, state.store_start)
         state.kv_store_end = max(state.kv_store_end, end)
+        self._dirty.add(request_id)
 
     # -- step results ------------------------------------------------------------------------------------------
     def on_worker_output(self, worker_meta: Any) -> None:
@@ -311,18 +315,30 @@ class RoutedExpertsBook:
                 state = self._requests.get(request_id)
                 if state is not None:
                     state.incomplete = "the routing of a step could not be mapped to this request's positions"
+            steps = list(worker_meta.rows.values())
+            if steps:  # one mirror write for the whole step
+                self.mirror.write(np.concatenate([step.slots for step in steps]),
+                                  np.concatenate([step.rows for step in steps]))  # fmt: skip
             for request_id, step in worker_meta.rows.items():
-                self.mirror.write(step.slots, step.rows)
                 state = self._requests.get(request_id)
                 if state is not None:
                     self._write(state, step.start, step.rows)
-                    self.counters.add("rows_computed", step.rows.shape[0])
-        for state in self._requests.values():
-            if state.local_pending:
-                self._read_local(state)
-            self._publish(state)
+                    self._dirty.add(request_id)
+            self.counters.add("rows_computed", sum(step.rows.shape[0] for step in steps))
+        for request_id in list(self._dirty):
+            state = self._requests.get(request_id)
+            if state is not None:
+                if state.local_pending:
+                    self._read_local(state)
+                self._publish(state)
+        self._dirty = {request_id for request_id in self._dirty if self._needs_another_look(request_id)}
         self._finish()
         self._reap_stores()
+
+    def _needs_another_look(self, request_id: str) -> bool:
+        """Rows still to read from the mirror: look again after the next step's rows arrive."""
+        state = self._requests.get(request_id)
+        return state is not None and bool(state.local_pending)
 
     def _server_answers(self) -> bool:
         """False for ``retry_after_s`` after a call timed out: a dead server costs one bounded wait, not many."""

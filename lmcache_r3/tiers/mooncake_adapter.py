@@ -51,23 +51,17 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
+from lmcache_r3.tiers.mooncake_client import CORRUPT, OBJECT_NOT_FOUND
 from lmcache_r3.tiers.mooncake_config import STORE_PARAMS, MooncakeTierConfigError, settings_from_params
-from lmcache_r3.tiers.mooncake_store import CORRUPT, OBJECT_NOT_FOUND, MooncakeObjectStore
+from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore
 
 logger = init_logger(__name__)
 
 __all__ = ["MooncakeL2Adapter", "mooncake_key"]
 
 _ADAPTER_PARAMS = frozenset(
-    {
-        "key_prefix",
-        "capacity_bytes",
-        "task_timeout_seconds",
-        "unhealthy_for_seconds",
-        "num_store_workers",
-        "num_lookup_workers",
-        "num_load_workers",
-    }
+    "key_prefix capacity_bytes task_timeout_seconds unhealthy_for_seconds num_store_workers num_lookup_workers "
+    "num_load_workers".split()
 )
 _WORKERS = {"store": 2, "lookup": 1, "load": 2}
 
@@ -130,22 +124,8 @@ class MooncakeL2Adapter(L2AdapterInterface):
         self._locks: dict[str, int] = {}
         self._known: dict[str, tuple[ObjectKey, int]] = {}
         self._counters = dict.fromkeys(
-            (
-                "errors",
-                "timeouts",
-                "store_tasks",
-                "stored_objects",
-                "store_failures",
-                "lookup_tasks",
-                "lookup_hits",
-                "lookup_misses",
-                "load_tasks",
-                "loaded_objects",
-                "load_failures",
-                "deleted_objects",
-                "delete_skipped_locked",
-                "vanished_objects",
-            ),
+            "errors timeouts store_tasks stored_objects store_failures lookup_tasks lookup_hits lookup_misses "
+            "load_tasks loaded_objects load_failures deleted_objects delete_skipped_locked vanished_objects".split(),
             0,
         )
         self._last_stall = float("-inf")

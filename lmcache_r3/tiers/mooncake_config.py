@@ -176,7 +176,7 @@ def settings_from_params(params: Mapping[str, Any]) -> MooncakeTierSettings:
                 f"adapter_params.master_metrics_port must be the master's --metrics_port (1..65535), got {port!r}"
             )
         host, sep, rpc_port = config.master_server_address.rpartition(":")
-        if not sep or not host or not rpc_port.isdigit():
+        if not sep or not host or not rpc_port.isdigit() or any(c in host for c in "/;, "):
             raise MooncakeTierConfigError(
                 f"master_server_address {config.master_server_address!r} is not host:port, so the master's health "
                 f"URL cannot be derived; set adapter_params.master_health_url (e.g. http://master:9003/health)"

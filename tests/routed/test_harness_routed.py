@@ -7,6 +7,8 @@ a real capture buffer. Every test compares the returned rows with the router's r
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -190,6 +192,11 @@ def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(r3_harness,
     assert harness.outputs["second"]["lmcache_r3_sources"]["lmcache_tokens"] == CHUNK
     np.testing.assert_array_equal(returned_rows(harness, "second"), returned_rows(harness, "first"))
     assert connector.routed.counters.values["joint_hits_shrunk"] >= 1
+    # The KV lookup locked 4 chunks; the 3 past the joint hit were released at once, the first after its retrieve.
+    deadline = time.monotonic() + 10
+    while (locked := r3_server.l1_counts()["read_locked_count"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert locked == 0
 
 
 def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harness_factory, lmcache_server_factory):

@@ -319,10 +319,20 @@ class SchedulerHarness:
 
     def step(self):
         """One engine step: schedule, run the worker connector as the model runner would, feed outputs back."""
+        out = self.scheduler.schedule()
+        engine_outputs = self.scheduler.update_from_output(out, self.run_worker(out))
+        for client_outputs in engine_outputs.values():
+            for output in client_outputs.outputs:
+                if output.finish_reason is not None:
+                    self.outputs[output.request_id] = output.kv_transfer_params
+        self.steps += 1
+        return out
+
+    def run_worker(self, out):
+        """The model runner's part of a step: the worker connector around a forward pass; its ``ModelRunnerOutput``."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        out = self.scheduler.schedule()
         self._scheduled = out
         meta = out.kv_connector_metadata
         with set_forward_context(None, self.vllm_config):
@@ -356,7 +366,7 @@ class SchedulerHarness:
             # A token is sampled only once the whole prompt (and every earlier output) has been computed.
             done_prefill = request.num_computed_tokens >= request.num_tokens
             sampled.append([self.sampled_token] if done_prefill else [])
-        runner_output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=scheduled,
             req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
             sampled_token_ids=sampled,
@@ -365,13 +375,6 @@ class SchedulerHarness:
             pooler_output=None,
             kv_connector_output=connector_output,
         )
-        engine_outputs = self.scheduler.update_from_output(out, runner_output)
-        for client_outputs in engine_outputs.values():
-            for output in client_outputs.outputs:
-                if output.finish_reason is not None:
-                    self.outputs[output.request_id] = output.kv_transfer_params
-        self.steps += 1
-        return out
 
     def _captured_rows(self) -> tuple[Any, Any]:
         """What the model runner's capture buffer and slot mapping would hold after this step's forward pass.

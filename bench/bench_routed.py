@@ -1,0 +1,196 @@
+"""What returning routed experts costs, measured in the same run against the same connector with R3 off.
+
+1. **End to end (vLLM on CPU)**: the demo's multi-turn rollout workload (tiny Qwen3-MoE, LMCache MP server from
+   a config, vLLM's prefix cache reset between turns) on two engines that differ only in
+   ``"lmcache_r3.routed_experts"``: on (capture, joint KV+R3 hits, R3 stored with the KV, rows in every output)
+   and off (the same connector, KV only). LMCache's L1 is cleared before every round. Ratio: on / off wall time.
+2. **Scheduler bookkeeping (harness, no model)**: the real vLLM scheduler and both connector roles with many
+   concurrent requests; the time spent in the scheduler-side R3 bookkeeping per step, as a fraction of the
+   scheduler's step (schedule + update_from_output) with R3 on.
+
+    python bench/bench_routed.py [--rounds 3] [--concurrent 256] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchdocs import write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "## Routed experts end to end"
+
+
+def engine_rounds(routed: bool, rounds: int, workdir: Path) -> list[float]:
+    """Wall seconds of each round of the demo workload on one engine (child process: vLLM needs a main guard)."""
+    out = workdir / f"rounds-{routed}.txt"
+    code = f"""
+import os, sys, time
+from pathlib import Path
+def main():
+    from lmcache_r3.demo import run as demo
+    from lmcache_r3.demo.model import SMALL, build_tiny_moe
+    workdir = Path({str(workdir)!r})
+    config = demo.write_demo_config(workdir)
+    os.environ["LMCACHE_CONFIG_FILE"] = str(config)
+    server = demo.start_config_server(config, workdir / "server-{routed}.log")
+    try:
+        transfer = dict(demo.CONNECTOR, kv_connector_extra_config={{"lmcache_r3.routed_experts": {routed}}})
+        llm = demo.make_llm(build_tiny_moe(SMALL, None), transfer)
+        times = []
+        try:
+            for _ in range({rounds + 1}):  # the first round warms the engine up and is dropped
+                server.clear_l1()
+                llm.reset_prefix_cache()
+                started = time.perf_counter()
+                rollouts = demo.Rollouts(llm, server, 12)
+                system = demo.words(96, seed=0)
+                history = {{c: system + demo.words(24 + 7 * c, seed=100 + c) for c in range(4)}}
+                for turn in range(3):
+                    results = rollouts.generate({{f"{{c}}": h for c, h in history.items()}})
+                    for c in history:
+                        tokens = results[str(c)][0]
+                        history[c] = history[c] + tokens + demo.words(16, seed=1000 * turn + c)
+                    rollouts.reset_caches(lmcache_too=False)
+                times.append(time.perf_counter() - started)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    finally:
+        server.process.stop()
+    Path({str(out)!r}).write_text(" ".join(map(str, times[1:])))
+if __name__ == "__main__":
+    main()
+"""
+    script = workdir / f"engine_{routed}.py"
+    script.write_text(code)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", LMCACHE_LOG_LEVEL="ERROR")
+    subprocess.run([sys.executable, str(script)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=900)
+    return [float(x) for x in out.read_text().split()]
+
+
+def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
+    """Per-step scheduler time with R3 on, and the part of it spent in the R3 bookkeeping."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    from lmcache_r3.demo.model import SMALL, build_tiny_moe
+    from lmcache_r3.mp.server_process import loopback_settings, r3_server_module_spec, start_server
+    from tests.support.harness import HarnessConfig, SchedulerHarness
+
+    server = start_server(
+        loopback_settings(chunk_size=64, l1_size_gb=2.0, server_modules=(r3_server_module_spec("##r3"),)),
+        workdir / "server-harness.log",
+    )
+    try:
+        config = HarnessConfig(connector_module="lmcache_r3.mp.connector", routed_experts=True,
+                               num_blocks=concurrent * 8 + 8, max_num_seqs=concurrent,
+                               max_num_batched_tokens=8192)  # fmt: skip
+        harness = SchedulerHarness(build_tiny_moe(SMALL, None), server.settings.host, server.settings.port, config)
+        try:
+            book = harness.scheduler.connector.routed
+            spent = [0.0]
+            for name in ("on_schedule", "on_worker_output", "request_finished", "begin_lookup", "joint_hit_end",
+                         "on_store", "admitted", "end_lookup"):  # fmt: skip
+                original = getattr(book, name)
+
+                def timed(*args, _original=original, **kwargs):
+                    started = time.perf_counter()
+                    try:
+                        return _original(*args, **kwargs)
+                    finally:
+                        spent[0] += time.perf_counter() - started
+
+                setattr(book, name, timed)
+            rng = np.random.default_rng(0)
+            for i in range(concurrent):
+                harness.add_request(f"r{i}", [int(t) for t in rng.integers(10, 900, size=200)], max_tokens=32)
+            step_times, r3_times = [], []
+            while harness.scheduler.has_requests() or harness.scheduler.requests:
+                spent[0] = 0.0
+                started = time.perf_counter()
+                out = harness.scheduler.schedule()
+                scheduled = time.perf_counter() - started
+                runner_output = harness.run_worker(out)  # the worker's part is not the scheduler's step
+                started = time.perf_counter()
+                harness.scheduler.update_from_output(out, runner_output)
+                step_times.append(scheduled + time.perf_counter() - started)
+                r3_times.append(spent[0])
+                if not out.num_scheduled_tokens:
+                    time.sleep(0.002)
+            busy = [i for i, t in enumerate(step_times) if r3_times[i] > 0]
+            return {
+                "steps": len(busy),
+                "step_ms": statistics.median(step_times[i] for i in busy) * 1e3,
+                "r3_ms": statistics.median(r3_times[i] for i in busy) * 1e3,
+                "fraction": sum(r3_times[i] for i in busy) / sum(step_times[i] for i in busy),
+            }
+        finally:
+            harness.shutdown()
+    finally:
+        server.stop()
+
+
+def report(rounds: int, concurrent: int) -> str:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
+    off = engine_rounds(False, rounds, workdir)
+    on = engine_rounds(True, rounds, workdir)
+    book = bookkeeping(concurrent, workdir)
+    ratio = statistics.median(on) / statistics.median(off)
+    lines = [
+        SECTION,
+        "",
+        f"`python bench/bench_routed.py --rounds {rounds} --concurrent {concurrent} --write` on nproc "
+        f"{os.cpu_count()} ({platform.processor() or platform.machine()}), Python {platform.python_version()}, "
+        f"{datetime.date.today()}.",
+        "",
+        "End to end, vLLM on CPU (tiny Qwen3-MoE, 2 layers, 8 experts, top-2): the demo's 4 conversations x 3 turns "
+        "with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; the same connector with "
+        "routed experts on and off, one engine each, median of the rounds after a warm-up round. Goal: on / off <= "
+        "1.05.",
+        "",
+        "| routed experts | rounds (s) | median (s) | on / off |",
+        "| --- | --- | --- | --- |",
+        f"| off (KV only) | {', '.join(f'{t:.2f}' for t in off)} | {statistics.median(off):.2f} | 1.00x |",
+        f"| on | {', '.join(f'{t:.2f}' for t in on)} | {statistics.median(on):.2f} | **{ratio:.3f}x** |",
+        "",
+        f"Scheduler-side R3 bookkeeping with {concurrent} concurrent requests (200-token prompts, 32 output tokens; "
+        "real vLLM scheduler and both connector roles, no model): median per step over "
+        f"{book['steps']} steps.",
+        "",
+        "| scheduler step (schedule + update_from_output) | R3 bookkeeping inside it | fraction of step time |",
+        "| --- | --- | --- |",
+        f"| {book['step_ms']:.2f} ms | {book['r3_ms']:.2f} ms | **{100 * book['fraction']:.1f}%** |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrent", type=int, default=256)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
+
+    exit_on_sigterm()
+    os.environ.update(TELEMETRY_OFF)
+    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    text = report(args.rounds, args.concurrent)
+    print(text)
+    if args.write:
+        write_section(SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""A Mooncake client that no caller ever waits on for more than a bound, over a master that may come and go.
+
+:class:`BoundedMooncakeClient` owns one ``MooncakeDistributedStore``. Every call runs on a small pool of daemon
+threads and is waited for at most ``call_timeout_seconds``; a call still running then is *abandoned*: the caller gets
+``TIMEOUT`` codes at once, and any staging buffer the call writes into stays the call's until it returns. Calls
+answer one integer code per key; a failed call answers ``n`` copies of ``UNAVAILABLE``, ``TIMEOUT`` or ``EXCEPTION``,
+never raises. :func:`describe` names Mooncake's codes and these.
+
+Why the bounds: with the master SIGKILLed, Mooncake calls block ~4.3 s before returning ``RPC_FAIL`` (-900); with it
+stopped they hang; and ``setup`` against an absent master blocks ~90 s. So a monitor thread probes the master's
+``GET /health`` (its metrics port) every ``probe_interval_seconds`` and calls ``setup`` only after it answered.
+States:
+
+* ``connecting``: no client yet (the master was down at start, or ``setup`` failed); calls answer ``UNAVAILABLE``.
+* ``up``: calls go to Mooncake.
+* ``down``: ``/health`` stopped answering, a call timed out, or one returned ``RPC_FAIL``. Calls answer
+  ``UNAVAILABLE`` at once until ``/health`` answers again and ``retry_after_seconds`` passed. Mooncake's client
+  reconnects by itself; a restarted master is empty. ``recoveries`` counts the returns to ``up``.
+* ``closed``.
+
+Staging buffers (:meth:`acquire`) are numpy buffers registered with the client and reused by size, so that
+``put_from``/``get_into`` never touch a caller's memory and never need the client's ``local_buffer_size``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+from lmcache.logging import init_logger
+
+from lmcache_r3.tiers.mooncake_config import MooncakeTierSettings
+
+logger = init_logger(__name__)
+
+OK = 0
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+RPC_FAIL = -900
+UNAVAILABLE = -10001
+TIMEOUT = -10002
+EXCEPTION = -10003
+CORRUPT = -10004
+SIZE_MISMATCH = -10005
+CANCELLED = -10006
+
+_CODE_NAMES = {
+    -1: "INTERNAL_ERROR",
+    -200: "NO_AVAILABLE_HANDLE (no space left in any segment)",
+    -600: "INVALID_PARAMS",
+    -703: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    UNAVAILABLE: "UNAVAILABLE (master down or not connected yet)",
+    TIMEOUT: "TIMEOUT (call abandoned after its bound)",
+    EXCEPTION: "EXCEPTION (the client raised)",
+    CORRUPT: "CORRUPT (header or checksum mismatch; removed)",
+    SIZE_MISMATCH: "SIZE_MISMATCH (stored size differs from the buffer)",
+    CANCELLED: "CANCELLED (the caller gave up)",
+}
+_BUFFER_ALIGN = 1 << 20
+
+
+def describe(code: int) -> str:
+    """A code's name, e.g. ``describe(-704) == "OBJECT_NOT_FOUND(-704)"``."""
+    return f"{_CODE_NAMES.get(code, 'OK' if code >= 0 else 'MOONCAKE_ERROR')}({code})"
+
+
+class _DaemonPool:
+    """Threads for calls that may block in native code: daemons, so a stuck call never holds up the exit."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._size = size
+        for i in range(size):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:
+                    future.set_exception(err)
+
+    def shutdown(self) -> None:
+        for _ in range(self._size):
+            self._jobs.put(None)
+
+
+class _StagingBuffers:
+    """Registered byte buffers, reused by size; keeps at most ``keep_bytes`` of idle ones."""
+
+    def __init__(self, native: Any, keep_bytes: int) -> None:
+        self._native = native
+        self._keep_bytes = keep_bytes
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> np.ndarray | None:
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._idle) if buf.nbytes >= nbytes]
+            if fits:
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].nbytes))
+        buf = np.empty(-(-max(nbytes, 1) // _BUFFER_ALIGN) * _BUFFER_ALIGN, dtype=np.uint8)
+        return buf if self._native.register_buffer(buf.ctypes.data, buf.nbytes) == 0 else None
+
+    def release(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if sum(b.nbytes for b in self._idle) + buf.nbytes <= self._keep_bytes:
+                self._idle.append(buf)
+                return
+        self._native.unregister_buffer(buf.ctypes.data)
+
+
+class BoundedMooncakeClient:
+    """One Mooncake client behind bounded calls and a master monitor (see the module). Thread-safe.
+
+    Construction never blocks on the master: the client is set up in the background once ``/health`` answers.
+    """
+
+    def __init__(self, settings: MooncakeTierSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._native: Any = None
+        self._buffers: _StagingBuffers | None = None
+        self._state = "connecting"
+        self._reason = "waiting for the master's /health"
+        self._down_until = 0.0
+        self._last_fault = float("-inf")
+        self._last_fault_reason = ""
+        self._stats = dict.fromkeys(("timeouts", "exceptions", "recoveries"), 0)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never probe through a proxy
+        self._io = _DaemonPool(settings.num_io_threads, "mooncake-io")
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_master, name="mooncake-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def state(self) -> str:
+        """``connecting``, ``up``, ``down`` or ``closed``."""
+        return self._state
+
+    def seconds_since_fault(self) -> float:
+        """Seconds since the last timeout, exception or ``RPC_FAIL`` (infinite when none)."""
+        return time.monotonic() - self._last_fault
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(
+                self._stats,
+                state=self._state,
+                reason=self._reason,
+                last_fault=self._last_fault_reason,
+                master=self.settings.mooncake.master_server_address,
+            )
+
+    def call(self, what: str, n: int, fn: Callable[[Any], Sequence[int]], buf: np.ndarray | None = None) -> list[int]:
+        """``fn(native_client)`` on an io thread within the bound: its ``n`` codes, or ``n`` copies of a failure code.
+
+        ``fn`` must not read variables the caller rebinds (bind them with ``functools.partial``): an abandoned call
+        runs on after the caller moved on. It keeps ``buf`` until it returns; see :meth:`done_with`.
+        """
+        with self._lock:
+            native = self._native if self._state == "up" else None
+        if native is None or n == 0:
+            return [UNAVAILABLE] * n
+        future = self._io.submit(lambda: fn(native))
+        try:
+            codes = [int(code) for code in future.result(timeout=self.settings.call_timeout_seconds)]
+        except FutureTimeout:
+            if buf is not None:
+                future.add_done_callback(lambda _: self._release(buf))
+            self._fault("timeouts", f"{what} of {n} keys took over {self.settings.call_timeout_seconds} s", down=True)
+            return [TIMEOUT] * n
+        except Exception as err:
+            self._fault("exceptions", f"{what} of {n} keys raised {err!r}", down=False)
+            return [EXCEPTION] * n
+        if len(codes) != n:
+            self._fault("exceptions", f"{what} answered {len(codes)} codes for {n} keys", down=False)
+            return [EXCEPTION] * n
+        if RPC_FAIL in codes:
+            self._fault(None, f"{what} got RPC_FAIL from the master", down=True)
+        return codes
+
+    def acquire(self, nbytes: int) -> np.ndarray | None:
+        """A registered staging buffer of at least ``nbytes``, or None while not ``up``."""
+        buffers = self._buffers
+        if buffers is None or self._state != "up":
+            return None
+        try:
+            return buffers.acquire(nbytes)
+        except Exception as err:
+            self._fault("exceptions", f"registering a {nbytes}-byte staging buffer raised {err!r}", down=False)
+            return None
+
+    def done_with(self, buf: np.ndarray, codes: list[int]) -> None:
+        """Give ``buf`` back after a :meth:`call` with it, unless the call was abandoned (it gives it back later)."""
+        if not codes or codes[0] != TIMEOUT:
+            self._release(buf)
+
+    def close(self) -> None:
+        """Stop probing and close the client (bounded: a client stuck on a dead master is left to the exit)."""
+        with self._lock:
+            native, self._native, self._state = self._native, None, "closed"
+        self._stop.set()
+        if native is not None:
+            try:
+                self._io.submit(native.close).exception(timeout=self.settings.call_timeout_seconds)
+            except FutureTimeout:
+                pass
+        self._io.shutdown()
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _release(self, buf: np.ndarray) -> None:
+        buffers = self._buffers
+        if buffers is not None:
+            try:
+                buffers.release(buf)
+            except Exception:
+                pass  # the buffer is garbage-collected; unregistering it is best effort
+
+    def _fault(self, counter: str | None, reason: str, down: bool) -> None:
+        with self._lock:
+            self._last_fault = time.monotonic()
+            self._last_fault_reason = reason
+            if counter:
+                self._stats[counter] += 1
+            if down and self._state == "up":
+                self._state, self._reason = "down", reason
+                self._down_until = time.monotonic() + self.settings.retry_after_seconds
+        if down:
+            logger.warning("Mooncake tier down: %s", reason)
+
+    def _healthy(self) -> bool:
+        try:
+            with self._opener.open(self.settings.health_url, timeout=1.0) as response:
+                return response.status == 200
+        except Exception:
+            return False
+
+    def _watch_master(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._probe_once()
+            except Exception:  # the monitor must outlive any surprise, or the tier never comes back
+                logger.exception("Mooncake tier: probing the master failed")
+            self._stop.wait(self.settings.probe_interval_seconds)
+
+    def _probe_once(self) -> None:
+        healthy = self._healthy()
+        with self._lock:
+            if self._state == "closed":
+                return
+            before = self._state
+            if not healthy and self._state == "up":
+                self._state, self._reason = "down", f"the master's {self.settings.health_url} does not answer"
+                self._down_until = time.monotonic() + self.settings.retry_after_seconds
+            elif healthy and self._state == "down" and time.monotonic() >= self._down_until:
+                self._state, self._reason = "up", ""
+                self._stats["recoveries"] += 1
+            after, reason = self._state, self._reason
+            connect = healthy and self._native is None
+        if after != before:
+            logger.warning("Mooncake tier %s -> %s %s", before, after, reason)
+        if connect:
+            self._connect()
+
+    def _connect(self) -> None:
+        """``setup`` a client (the master just answered ``/health``; without it ``setup`` blocks ~90 s)."""
+        from mooncake.store import MooncakeDistributedStore
+
+        c = self.settings.mooncake
+        native = MooncakeDistributedStore()
+        try:
+            code = native.setup(
+                c.local_hostname,
+                c.metadata_server,
+                c.global_segment_size,
+                c.local_buffer_size,
+                c.protocol,
+                c.device_name or "",
+                c.master_server_address,
+                enable_ssd_offload=c.enable_ssd_offload,
+                ssd_offload_path=c.ssd_offload_path,
+                tenant_id=c.tenant_id,
+                enable_client_http_server=c.enable_client_http_server,
+                client_http_port=c.client_http_port,
+            )
+            error = f"returned {code}"
+        except Exception as err:
+            code, error = None, f"raised {err!r}"
+        with self._lock:
+            if code == 0 and self._state != "closed":
+                self._native, self._state, self._reason = native, "up", ""
+                self._buffers = _StagingBuffers(native, keep_bytes=2 * self.settings.batch_bytes)
+                logger.info("Mooncake tier connected to the master at %s", c.master_server_address)
+                return
+            if self._state != "closed":
+                self._reason = f"setup against {c.master_server_address} {error}; retrying"
+                logger.error("Mooncake tier: %s", self._reason)
+        native.close()

@@ -1,0 +1,430 @@
+"""The Mooncake tier (``lmcache_r3.tiers.mooncake_adapter.MooncakeL2Adapter``) as an L2 plugin of a real LMCache
+server, against a real Mooncake master and a separate holder process: R3 and KV objects served byte-equal from
+Mooncake after L1 is cleared, objects larger than the client's local buffer, a master that is absent at start,
+killed mid-run and restarted, and a Mooncake client that throws or stalls."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
+from lmcache_r3.launch import LOOPBACK, ManagedProcess
+from lmcache_r3.mp.r3_client import R3Client
+from lmcache_r3.mp.server_process import r3_server_module_spec
+from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
+from tests.support.mooncake import MOONCAKE_ENV, start_mooncake
+from tests.support.processes import REGISTRY
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.server]
+
+LOCAL_BUFFER = 256 << 10
+WIDE = R3Profile(num_layers=128, top_k=128, num_experts=256)
+"""16 KiB of routing per token: one 64-token chunk is a 1 MiB object, 4x the client's local buffer."""
+
+
+def mooncake_tier(cluster, **params) -> dict:
+    return {
+        "type": "plugin",
+        "module_path": "lmcache_r3.tiers.mooncake_adapter",
+        "class_name": "MooncakeL2Adapter",
+        "adapter_params": {
+            "mooncake": {
+                "local_hostname": LOOPBACK,
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": cluster.master_address,
+                "global_segment_size": 0,
+                "local_buffer_size": LOCAL_BUFFER,
+                "protocol": "tcp",
+            },
+            "master_metrics_port": cluster.metrics_port,
+            "key_prefix": f"test-{uuid.uuid4().hex[:8]}/",
+            "unhealthy_for_seconds": 1.0,
+            **params,
+        },
+    }
+
+
+def start(factory, cluster, **params):
+    with pytest.MonkeyPatch.context() as env:  # the server's Mooncake client stays on loopback
+        for name, value in MOONCAKE_ENV.items():
+            env.setenv(name, value)
+        return factory(
+            chunk_size=CHUNK,
+            server_modules=(r3_server_module_spec("##r3"),),
+            l2_adapters=(mooncake_tier(cluster, **params),),
+        )
+
+
+def tier_status(server) -> dict:
+    adapters = server.status()["storage_manager"]["l2_adapters"]
+    return next(a for a in adapters if a.get("type") == "MooncakeL2Adapter")
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.05)
+    return value
+
+
+def wait_for_stored(server, count: int, timeout_s: float = 10.0) -> None:
+    wait_for(lambda: tier_status(server)["counters"]["stored_objects"] >= count, timeout_s, f"{count} objects stored")
+
+
+def clear_l1(server) -> None:
+    wait_for(lambda: tier_status(server)["pending_tasks"] == 0, 10, "the tier idle")  # stores pin L1 objects
+    server.clear_l1()
+    assert server.l1_counts()["total_object_count"] == 0
+
+
+def fetch_rows(r3: R3Client, tokens, profile: R3Profile = PROFILE) -> tuple[int, np.ndarray | None]:
+    fetched = r3.fetch(tokens).result()
+    if not fetched.num_hit_chunks:
+        return 0, None
+    decoded = decode_run(fetched.objects, profile, 0, CHUNK)
+    assert decoded.error is None
+    return fetched.num_hit_chunks, np.concatenate([c.rows for c in decoded.chunks])
+
+
+def timed(call):
+    began = time.monotonic()
+    result = call()
+    return result, time.monotonic() - began
+
+
+@pytest.fixture(scope="module")
+def tier_server(lmcache_server_factory, mooncake_cluster):
+    """An R3 server whose L2 tier is the session's Mooncake, with a 256 KiB client local buffer."""
+    server = start(lmcache_server_factory, mooncake_cluster)
+    wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_cluster(tmp_path):
+    """A Mooncake master and holder for one test, which may kill and restart the master."""
+    cluster = start_mooncake(tmp_path / "mooncake", segment="64MB")
+    REGISTRY.add(cluster.master)
+    REGISTRY.add(cluster.holder)
+    yield cluster
+    cluster.stop()
+
+
+def restart_master(cluster) -> None:
+    """Start the master again on the same ports and wait until the holder has mounted its segment again."""
+    cluster.master = ManagedProcess("mooncake_master", cluster.master.argv, cluster.master.log_path, env=MOONCAKE_ENV)
+    REGISTRY.add(cluster.master)
+    cluster.master.wait_ready(cluster.healthy, 20, "answering /health")
+    cluster.master.wait_ready(lambda: cluster.capacity_bytes() > 0, 20, "the holder's segment mounted again")
+
+
+# -- served byte-equal from Mooncake --------------------------------------------------------------------------------
+def test_r3_objects_come_back_byte_equal_from_mooncake_after_l1_is_cleared(tier_server):
+    tokens, rows = tokens_for(301, 3 * CHUNK), rows_for(301, 3 * CHUNK)
+    with R3Client(tier_server.url, MODEL, PROFILE) as r3:
+        before = tier_status(tier_server)
+        assert store_rows(r3, tokens, rows).num_stored == 3
+        wait_for_stored(tier_server, before["counters"]["stored_objects"] + 3)
+        clear_l1(tier_server)
+        hits, fetched = fetch_rows(r3, tokens)
+        assert hits == 3 and np.array_equal(fetched, rows)
+    status = tier_status(tier_server)
+    assert status["is_healthy"] and status["state"] == "up"
+    assert status["hits"] >= before["hits"] + 3 and status["bytes"] > 0 and status["errors"] == 0
+    assert status["bytes_read"] > before["bytes_read"] and status["corrupt"] == 0
+    for counter in ("misses", "evictions", "bytes_written", "objects"):
+        assert counter in status
+    assert tier_server.l1_counts()["read_locked_count"] == 0
+
+
+def test_an_object_four_times_the_client_local_buffer_round_trips(tier_server):
+    tokens = tokens_for(302, 2 * CHUNK)
+    rows = np.random.default_rng(302).integers(0, WIDE.num_experts, (2 * CHUNK, *WIDE.row_shape)).astype(WIDE.dtype)
+    assert rows[:CHUNK].nbytes == 4 * LOCAL_BUFFER
+    with R3Client(tier_server.url, MODEL, WIDE) as r3:
+        before = tier_status(tier_server)
+        stored = r3.store(tokens, 0, encode_run(WIDE, 0, rows, CHUNK), end=len(rows)).result()
+        assert stored.num_stored == 2
+        wait_for_stored(tier_server, before["counters"]["stored_objects"] + 2)
+        clear_l1(tier_server)
+        hits, fetched = fetch_rows(r3, tokens, WIDE)
+        assert hits == 2 and np.array_equal(fetched, rows)
+    status = tier_status(tier_server)
+    assert status["bytes_read"] - before["bytes_read"] >= rows.nbytes and status["errors"] == 0
+
+
+def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_harness_factory):
+    from tests.support.harness import BLOCK_SIZE
+
+    harness = scheduler_harness_factory(server=tier_server, kind="dense")
+    try:
+        before = tier_status(tier_server)
+        tokens = [10 + (5 * i + 11) % 1000 for i in range(4 * BLOCK_SIZE + 10)]  # 2 full chunks + a partial tail
+        harness.generate([("A", tokens)])
+        saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
+        in_l1 = tier_server.l1_counts()["total_object_count"]
+        assert in_l1 >= 2
+        wait_for_stored(tier_server, before["counters"]["stored_objects"] + in_l1)  # the tier writes behind L1
+        clear_l1(tier_server)
+
+        harness.reset_prefix_cache()
+        harness.zero_all_blocks_but_null()
+        harness.generate([("B", tokens + [900, 901])])
+        assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from Mooncake differs"
+        status = tier_status(tier_server)
+        assert status["hits"] - before["hits"] >= 2 and status["corrupt"] == 0 and status["is_healthy"]
+        assert tier_server.l1_counts()["read_locked_count"] == 0
+    finally:  # before the server goes: a connector talking to a dead server waits out its timeout
+        harness.shutdown()
+        harness.shutdown = lambda: None
+
+
+# -- the master comes and goes --------------------------------------------------------------------------------------
+def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_up(lmcache_server_factory, own_cluster):
+    own_cluster.master.stop()
+    server, took = timed(lambda: start(lmcache_server_factory, own_cluster))
+    try:
+        assert took < 30, f"a missing master held the server's start-up for {took:.0f} s"
+        status = tier_status(server)
+        assert not status["is_healthy"] and status["state"] == "connecting"
+        tokens, rows = tokens_for(303, 2 * CHUNK), rows_for(303, 2 * CHUNK)
+        with R3Client(server.url, MODEL, PROFILE) as r3:
+            assert store_rows(r3, tokens, rows).num_stored == 2  # L1 serves meanwhile
+            hits, fetched = fetch_rows(r3, tokens)
+            assert hits == 2 and np.array_equal(fetched, rows)
+
+            restart_master(own_cluster)
+            wait_for(lambda: tier_status(server)["is_healthy"], 15, "healthy once the master is up")
+            later, later_rows = tokens_for(304, 2 * CHUNK), rows_for(304, 2 * CHUNK)
+            store_rows(r3, later, later_rows)
+            wait_for_stored(server, 2)
+            clear_l1(server)
+            hits, fetched = fetch_rows(r3, later)
+            assert hits == 2 and np.array_equal(fetched, later_rows)
+    finally:
+        server.stop()
+
+
+def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_restart(
+    lmcache_server_factory, own_cluster
+):
+    server = start(lmcache_server_factory, own_cluster)
+    try:
+        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+        with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
+            first, first_rows = tokens_for(305, 3 * CHUNK), rows_for(305, 3 * CHUNK)
+            store_rows(r3, first, first_rows)
+            wait_for_stored(server, 3)
+
+            os.kill(own_cluster.master.pid, signal.SIGKILL)
+            own_cluster.master.popen.wait()
+            second, second_rows = tokens_for(306, 2 * CHUNK), rows_for(306, 2 * CHUNK)
+            stored, took = timed(lambda: store_rows(r3, second, second_rows))
+            assert stored.num_stored == 2 and took < 3, f"a store took {took:.1f} s with the master dead"
+            looked, took = timed(lambda: r3.lookup(first).result())
+            assert looked.num_hit_chunks == 3 and took < 3, f"an L1 hit took {took:.1f} s with the master dead"
+            wait_for(lambda: tier_status(server)["errors"] > 0, 10, "errors counted")
+            clear_l1(server)
+            for _ in range(3):
+                looked, took = timed(lambda: r3.lookup(first).result())
+                assert looked.num_hit_chunks == 0 and took < 3, f"a miss took {took:.1f} s with the master dead"
+            assert server.ping(timeout_s=2)
+            status = tier_status(server)
+            assert not status["is_healthy"] and status["state"] == "down"
+
+            restart_master(own_cluster)
+            wait_for(lambda: tier_status(server)["is_healthy"], 15, "healthy once the master is back")
+            assert tier_status(server)["recoveries"] >= 1
+            assert r3.lookup(first).result().num_hit_chunks == 0  # a restarted master starts empty
+            third, third_rows = tokens_for(307, 3 * CHUNK), rows_for(307, 3 * CHUNK)
+            stored_before = tier_status(server)["counters"]["stored_objects"]
+            store_rows(r3, third, third_rows)
+            wait_for_stored(server, stored_before + 3)
+            clear_l1(server)
+            hits, fetched = fetch_rows(r3, third)
+            assert hits == 3 and np.array_equal(fetched, third_rows)
+    finally:
+        server.stop()
+
+
+def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
+    lmcache_server_factory, own_cluster
+):
+    server = start(lmcache_server_factory, own_cluster)
+    try:
+        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+        tokens, rows = tokens_for(308, 3 * CHUNK), rows_for(308, 3 * CHUNK)
+        with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
+            store_rows(r3, tokens, rows)
+            wait_for_stored(server, 3)
+            clear_l1(server)
+            os.kill(own_cluster.master.pid, signal.SIGSTOP)  # the master hangs: calls neither answer nor fail
+            try:
+                for _ in range(3):
+                    looked, took = timed(lambda: r3.lookup(tokens).result())
+                    assert looked.num_hit_chunks == 0 and took < 3, f"a lookup took {took:.1f} s on a hung master"
+                assert server.ping(timeout_s=2)
+                status = wait_for(lambda: (s := tier_status(server))["state"] == "down" and s, 5, "marked down")
+                assert not status["is_healthy"] and status["errors"] > 0
+            finally:
+                os.kill(own_cluster.master.pid, signal.SIGCONT)
+            wait_for(lambda: tier_status(server)["is_healthy"], 15, "healthy once the master resumes")
+            hits, fetched = fetch_rows(r3, tokens)  # a master that only stalled kept its objects
+            assert hits == 3 and np.array_equal(fetched, rows)
+    finally:
+        server.stop()
+
+
+def test_a_missing_setting_is_refused_naming_the_key_and_the_fix(mooncake_cluster, monkeypatch):
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+    from lmcache_r3.tiers.mooncake_config import MooncakeTierConfigError
+
+    params = mooncake_tier(mooncake_cluster)["adapter_params"]
+    del params["mooncake"]["master_server_address"]
+    with pytest.raises(MooncakeTierConfigError, match=r"adapter_params\.mooncake\.master_server_address is required"):
+        MooncakeL2Adapter(params)
+    del params["mooncake"]
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    with pytest.raises(MooncakeTierConfigError, match="MOONCAKE_CONFIG_PATH"):
+        MooncakeL2Adapter(params)
+
+
+# -- a Mooncake client that throws or stalls ------------------------------------------------------------------------
+class _Buffer:
+    """A stand-in for an L1 MemoryObj: ``byte_array`` is a view of caller-owned memory."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = bytearray(data)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.data)
+
+
+class _FaultyClient:
+    """The real Mooncake client, except that the named methods raise or block until released."""
+
+    def __init__(self, client, methods: tuple[str, ...], fault: str) -> None:
+        self._client, self._methods, self._fault = client, methods, fault
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        real = getattr(self._client, name)
+        if name not in self._methods:
+            return real
+
+        def faulty(*args, **kwargs):
+            if self._fault == "raise":
+                raise RuntimeError(f"injected: {name} failed")
+            self.release.wait(30)
+            return real(*args, **kwargs)
+
+        return faulty
+
+
+def _key(i: int):
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=MODEL, kv_rank=0, object_group_id=0)
+
+
+def _completed(fd: int, query, timeout_s: float = 5.0):
+    """Wait on a task's event fd (draining it, as LMCache's controllers do) until ``query()`` has its result."""
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while (result := query()) is None:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, "a task never completed"
+        if poller.poll(int(remaining * 1000)):
+            os.read(fd, 8)
+    return result
+
+
+@pytest.fixture
+def adapter(mooncake_cluster, monkeypatch):
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    params = mooncake_tier(mooncake_cluster, call_timeout_seconds=1.0, retry_after_seconds=0.5)["adapter_params"]
+    tier = MooncakeL2Adapter(params)
+    wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+    yield tier
+    tier.close()
+
+
+def _store(adapter, i: int, payload: bytes) -> bool:
+    task = adapter.submit_store_task([_key(i)], [_Buffer(payload)])
+    return _completed(
+        adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
+    ).is_successful()
+
+
+def _lookup(adapter, i: int) -> int:
+    task = adapter.submit_lookup_and_lock_task([_key(i)], {})
+    hits = _completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
+    adapter.submit_unlock([_key(i)] if hits.popcount() else [])
+    return hits.popcount()
+
+
+def _load(adapter, i: int, into: _Buffer) -> int:
+    task = adapter.submit_load_task([_key(i)], [into])
+    return _completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
+
+
+def test_a_throwing_mooncake_client_turns_every_task_into_a_prompt_miss(adapter):
+    payload = os.urandom(4096)
+    assert _store(adapter, 1, payload)
+    client = adapter._store._client
+    client._native = _FaultyClient(client._native, ("batch_is_exist", "get_size", "batch_put_from", "remove"), "raise")
+
+    (hits, took) = timed(lambda: _lookup(adapter, 1))
+    assert hits == 0 and took < 1
+    into = _Buffer(bytes(len(payload)))
+    assert _load(adapter, 1, into) == 0 and into.data == bytes(len(payload)), "a failed load wrote into L1"
+    assert not _store(adapter, 2, os.urandom(64))
+    adapter.delete([_key(1)])  # must not raise: a raising delete kills LMCache's eviction thread
+    status = adapter.report_status()
+    assert not status["is_healthy"] and status["errors"] >= 3 and status["call_exceptions"] >= 3
+    assert "injected" in status["reason"]
+
+    client._native = client._native._client  # the fault goes away: the tier serves again, byte-equal
+    wait_for(lambda: adapter.report_status()["is_healthy"], 5, "healthy again")
+    assert _lookup(adapter, 1) == 1 and _load(adapter, 1, into) == 1 and into.data == payload
+
+
+def test_a_stalled_mooncake_call_is_abandoned_within_its_bound_and_never_writes_late(adapter):
+    payload = os.urandom(4096)
+    assert _store(adapter, 3, payload)
+    client = adapter._store._client
+    faulty = _FaultyClient(client._native, ("batch_is_exist", "batch_get_into"), "stall")
+    client._native = faulty
+    into = _Buffer(bytes(len(payload)))
+    try:
+        (loaded, took) = timed(lambda: _load(adapter, 3, into))
+        assert loaded == 0 and took < 2, f"a stalled load took {took:.1f} s"
+        status = adapter.report_status()
+        assert not status["is_healthy"] and status["call_timeouts"] == 1 and status["state"] == "down"
+        wait_for(lambda: adapter.report_status()["state"] == "up", 5, "calls let through again")
+        (hits, took) = timed(lambda: _lookup(adapter, 3))
+        assert hits == 0 and took < 2, f"a stalled lookup took {took:.1f} s"
+        assert not adapter.report_status()["is_healthy"]
+    finally:
+        faulty.release.set()
+    time.sleep(0.5)  # the abandoned calls finish now, into the tier's own staging buffers
+    assert into.data == bytes(len(payload)), "an abandoned read wrote into L1 memory"
+    client._native = faulty._client
+    wait_for(lambda: adapter.report_status()["is_healthy"], 5, "healthy again")
+    assert _load(adapter, 3, into) == 1 and into.data == payload
