@@ -296,7 +296,43 @@ def gpu_check() -> int:
             f"({2 * captured.nbytes / copy / 1e9:.0f} GB/s moved; kernel/copy {gather / copy:.2f}x), "
             f"CuPy fancy-index + astype {peer * 1e6:.1f} us (kernel {peer / gather:.2f}x faster)"
         )
-    return _gpu_check_torch(kernel, rng)
+    return _gpu_check_torch(kernel, rng) or _gpu_check_worker_step(rng)
+
+
+def _gpu_check_worker_step(rng: np.random.Generator) -> int:
+    """One worker step of 8192 tokens from 256 requests: rows located, gathered and narrowed on the device, against
+    copying the whole int32 capture buffer to the host and doing the same with numpy (the path without the kernel)."""
+    import cupy
+
+    from lmcache_r3.mp.step_rows import StepRows, collect_step_rows
+
+    block, plans, slots = 16, {}, []
+    for i in range(256):
+        start = int(rng.integers(0, 4000))
+        first, last = start // block, (start + 32 - 1) // block + 1
+        plans[f"r{i}"] = StepRows(start, 32, first, tuple(range(1 + 8 * i, 1 + 8 * i + last - first)))
+        slots.append(plans[f"r{i}"].slots(block))
+    order = rng.permutation(8192)
+    mapping = np.concatenate(slots)[order]
+    host = rng.integers(0, PROFILE.num_experts, (8192, *PROFILE.row_shape), dtype=np.int32)
+    device = cupy.asarray(host)
+    on_device, _ = collect_step_rows(mapping, device, plans, block, PROFILE)
+    on_host, _ = collect_step_rows(mapping, host, plans, block, PROFILE)
+    same = all(np.array_equal(on_device[r].rows, on_host[r].rows) for r in plans)
+    print(f"{'OK' if same else 'MISMATCH':8s} worker step on the device equals the host path (256 requests)")
+    if not same:
+        return 1
+
+    def device_step() -> None:
+        collect_step_rows(mapping, device, plans, block, PROFILE)
+
+    def host_step() -> None:
+        collect_step_rows(mapping, cupy.asnumpy(device), plans, block, PROFILE)
+
+    device_s, host_s = (median_seconds(f, 20, 7) for f in (device_step, host_step))
+    print(f"worker step, 8192 tokens x {PROFILE.num_layers}x{PROFILE.top_k}: kernel path {device_s * 1e3:.2f} ms, "
+          f"copy buffer to host + numpy {host_s * 1e3:.2f} ms ({host_s / device_s:.2f}x)")  # fmt: skip
+    return 0
 
 
 def _gpu_check_torch(kernel: object, rng: np.random.Generator) -> int:

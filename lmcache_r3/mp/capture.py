@@ -11,13 +11,14 @@ position's row, whatever the batch order. Rows are then gathered and narrowed (C
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from lmcache_r3.artifacts import R3Profile, gather_narrow
-from lmcache_r3.mp.r3_messages import RequestStepRows, StepRows
+from lmcache_r3.mp.step_rows import collect_step_rows, locate_rows
+
+__all__ = ["CaptureError", "RouterCapture", "collect_step_rows", "find_moe_runners", "locate_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,59 +28,6 @@ StepSource = Callable[[], tuple[np.ndarray, Any]]
 
 class CaptureError(RuntimeError):
     """Routed experts cannot be captured as configured; the message says what to change."""
-
-
-def locate_rows(
-    slot_mapping: np.ndarray, plans: Mapping[str, StepRows], block_size: int
-) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]]:
-    """Find, for every planned request, the capture row of each of its positions.
-
-    Args:
-        slot_mapping: ``[n]`` slot of each captured row (batch order); negative entries are padding.
-        plans: per request, the positions computed in this step and their blocks.
-        block_size: tokens per block of the group ``slot_mapping`` belongs to.
-
-    Returns:
-        ``(found, unmapped)``: per request whose every position was found exactly once, ``(row_index, slots)``
-        in position order; and the requests for which some position has no row (their routing is incomplete
-        and must not be guessed).
-    """
-    mapping = np.asarray(slot_mapping, dtype=np.int64)
-    order = np.argsort(mapping, kind="stable")
-    sorted_slots = mapping[order]
-    found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    unmapped: list[str] = []
-    for request_id, plan in plans.items():
-        if plan.num_tokens == 0:
-            continue
-        slots = plan.slots(block_size)
-        left = np.searchsorted(sorted_slots, slots, side="left")
-        right = np.searchsorted(sorted_slots, slots, side="right")
-        if not np.all(right - left == 1):  # missing, or a slot two rows claim: either way not this request's rows
-            unmapped.append(request_id)
-            continue
-        found[request_id] = (order[left], slots)
-    return found, unmapped
-
-
-def collect_step_rows(
-    slot_mapping: np.ndarray, captured: Any, plans: Mapping[str, StepRows], block_size: int, profile: R3Profile
-) -> tuple[dict[str, RequestStepRows], list[str]]:
-    """This step's rows per request, narrowed to ``profile.dtype`` (``captured`` on CPU or GPU)."""
-    located, unmapped = locate_rows(slot_mapping, plans, block_size)
-    if not located:
-        return {}, unmapped
-    index = np.concatenate([row_index for row_index, _ in located.values()])
-    gathered = gather_narrow(captured, index, profile)
-    if not isinstance(gathered, np.ndarray):
-        gathered = gathered.get()  # CuPy -> host, one copy for the whole step
-    out: dict[str, RequestStepRows] = {}
-    offset = 0
-    for request_id, (row_index, slots) in located.items():
-        count = row_index.shape[0]
-        out[request_id] = RequestStepRows(plans[request_id].start, gathered[offset : offset + count], slots)
-        offset += count
-    return out, unmapped
 
 
 def find_moe_runners(vllm_config: Any) -> list[Any]:

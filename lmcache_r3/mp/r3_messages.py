@@ -10,38 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from lmcache_r3.mp.step_rows import RequestStepRows, StepRows
 
-@dataclass(frozen=True)
-class StepRows:
-    """Positions ``[start, start + num_tokens)`` of one request, computed in this step.
-
-    ``block_ids`` are the request's blocks (in the group whose slots the capture is mapped with) from block
-    index ``first_block`` on, enough to cover the positions.
-    """
-
-    start: int
-    num_tokens: int
-    first_block: int
-    block_ids: tuple[int, ...]
-
-    def slots(self, block_size: int) -> np.ndarray:
-        """The KV slot of each position, in position order."""
-        positions = np.arange(self.start, self.start + self.num_tokens, dtype=np.int64)
-        blocks = np.asarray(self.block_ids, dtype=np.int64)[positions // block_size - self.first_block]
-        return blocks * block_size + positions % block_size
-
-
-@dataclass(frozen=True)
-class RequestStepRows:
-    """One request's rows of one step: ``rows[i]`` is the routing of position ``start + i``, held in ``slots[i]``."""
-
-    start: int
-    rows: np.ndarray
-    slots: np.ndarray
+__all__ = ["R3WorkerMetadata", "RequestStepRows", "StepRows"]
 
 
 @dataclass

@@ -146,18 +146,7 @@ class MooncakeL2Adapter(L2AdapterInterface):
             capacity,
         )
 
-    # -- listeners and accounting ------------------------------------------------------------------------------------
-    def register_listener(self, listener: Any) -> None:
-        """Register ``listener`` and replay the objects already known, so its LRU can evict them."""
-        super().register_listener(listener)
-        with self._lock:
-            snapshot = list(self._known.values())
-        if snapshot:
-            try:
-                listener.on_l2_keys_stored([k for k, _ in snapshot], [s for _, s in snapshot])
-            except Exception:
-                logger.exception("MooncakeL2Adapter: replaying %d known keys to a listener failed", len(snapshot))
-
+    # -- accounting ------------------------------------------------------------------------------------------------
     def _register(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         new_keys, new_sizes = [], []
         with self._lock:
@@ -435,8 +424,10 @@ class MooncakeL2Adapter(L2AdapterInterface):
         """After the master came back (perhaps empty), report the known keys Mooncake no longer has as deleted."""
         with self._lock:
             names = list(self._known)
-        codes = self._store.exists(names)
-        vanished = [name for name, code in zip(names, codes, strict=True) if code == 0]
+        vanished = []
+        for start in range(0, len(names), 4096):
+            batch = names[start : start + 4096]
+            vanished += [name for name, code in zip(batch, self._store.exists(batch), strict=True) if code == 0]
         self._count("vanished_objects", self._unregister(vanished))
         logger.info("MooncakeL2Adapter: master back; %d of %d known objects are gone", len(vanished), len(names))
 

@@ -1,7 +1,8 @@
 """The Mooncake tier (``lmcache_r3.tiers.mooncake_adapter.MooncakeL2Adapter``) as an L2 plugin of a real LMCache
 server, against a real Mooncake master and a separate holder process: R3 and KV objects served byte-equal from
-Mooncake after L1 is cleared, objects larger than the client's local buffer, a master that is absent at start,
-killed mid-run and restarted, and a Mooncake client that throws or stalls."""
+Mooncake after L1 is cleared, objects larger than the client's local buffer, a master that is absent at start, killed
+and restarted, or stalled; and, driving the adapter's contract directly, a corrupted object, eviction under a lock,
+and a Mooncake client that throws or stalls."""
 
 from __future__ import annotations
 
@@ -218,7 +219,7 @@ def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_u
 def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_restart(
     lmcache_server_factory, own_cluster
 ):
-    server = start(lmcache_server_factory, own_cluster)
+    server = start(lmcache_server_factory, own_cluster, call_timeout_seconds=1.0)
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
         with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
@@ -260,7 +261,7 @@ def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_rest
 def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
     lmcache_server_factory, own_cluster
 ):
-    server = start(lmcache_server_factory, own_cluster)
+    server = start(lmcache_server_factory, own_cluster, call_timeout_seconds=1.0)
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
         tokens, rows = tokens_for(308, 3 * CHUNK), rows_for(308, 3 * CHUNK)
@@ -382,6 +383,41 @@ def _lookup(adapter, i: int) -> int:
 def _load(adapter, i: int, into: _Buffer) -> int:
     task = adapter.submit_load_task([_key(i)], [into])
     return _completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
+
+
+def test_a_corrupted_object_in_mooncake_is_a_counted_miss_and_is_removed(adapter, mooncake_store):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    payload = os.urandom(4096)
+    assert _store(adapter, 4, payload)
+    name = mooncake_key(_key(4), adapter._prefix)
+    stored = bytearray(mooncake_store.get(name))
+    assert len(stored) == len(payload) + 32 and stored[32:] == payload
+    stored[-1] ^= 0x01  # one payload bit flips while the object sits in Mooncake
+    assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, bytes(stored)) == 0
+
+    into = _Buffer(bytes(len(payload)))
+    assert _load(adapter, 4, into) == 0 and into.data == bytes(len(payload)), "a corrupt object reached L1"
+    status = adapter.report_status()
+    assert status["corrupt"] == 1 and status["objects"] == 0
+    assert mooncake_store.is_exist(name) == 0, "the corrupt object stayed in Mooncake"
+    assert _lookup(adapter, 4) == 0
+
+
+def test_eviction_removes_an_object_from_mooncake_but_never_a_locked_one(adapter, mooncake_store):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    assert _store(adapter, 5, os.urandom(2048))
+    name = mooncake_key(_key(5), adapter._prefix)
+    task = adapter.submit_lookup_and_lock_task([_key(5)], {})
+    assert _completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
+    adapter.delete([_key(5)])  # LMCache's eviction thread, while a lookup holds the key for a load
+    assert mooncake_store.is_exist(name) == 1 and adapter.report_status()["locked_keys"] == 1
+    adapter.submit_unlock([_key(5)])
+    adapter.delete([_key(5)])
+    assert mooncake_store.is_exist(name) == 0
+    status = adapter.report_status()
+    assert status["evictions"] == 1 and status["objects"] == 0 and status["bytes"] == 0 and status["locked_keys"] == 0
 
 
 def test_a_throwing_mooncake_client_turns_every_task_into_a_prompt_miss(adapter):

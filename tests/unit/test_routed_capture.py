@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmcache_r3.artifacts import R3Profile
 from lmcache_r3.mp.capture import CaptureError, collect_step_rows, locate_rows, require_eager_on_cpu
@@ -110,3 +112,31 @@ def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
         routed_experts(_Output(None, [_Completion(stop_reason="END")]))
     with pytest.raises(RoutedExpertsUnavailable, match="LMCacheMPConnector"):
         routed_experts(_Output(None))
+
+
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), min_size=1, max_size=12),
+    drop=st.integers(-1, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_locate_rows_agrees_with_a_slot_dictionary(requests, drop, seed):
+    rng = np.random.default_rng(seed)
+    plans, next_block = {}, 1
+    for i, (start, count) in enumerate(requests):
+        first, last = start // BLOCK, max(start // BLOCK, (start + count - 1) // BLOCK + 1)
+        plans[f"r{i}"] = StepRows(start, count, first, tuple(range(next_block, next_block + last - first)))
+        next_block += last - first
+    all_slots = [int(x) for plan in plans.values() for x in plan.slots(BLOCK)]
+    if 0 <= drop < len(all_slots):
+        del all_slots[drop]  # one position has no row
+    mapping = np.array(all_slots + [-1], dtype=np.int64)[rng.permutation(len(all_slots) + 1)]
+    row_of = {int(slot): row for row, slot in enumerate(mapping)}
+    located, unmapped = locate_rows(mapping, plans, BLOCK)
+    for request_id, plan in plans.items():
+        wanted = [row_of.get(int(slot)) for slot in plan.slots(BLOCK)]
+        if plan.num_tokens == 0:
+            assert request_id not in located and request_id not in unmapped
+        elif None in wanted:
+            assert request_id in unmapped
+        else:
+            assert located[request_id][0].tolist() == wanted
