@@ -205,6 +205,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             client=client,
             fetch_timeout_s=timeout_s,
         )
+        self.routed.probe_server(min(timeout_s, 2.0))
 
     # ==============================================================================================
     # Scheduler side, in call order

@@ -136,6 +136,26 @@ class RoutedExpertsBook:
         self.retry_after_s = 10.0
         self._quiet_until = 0.0
 
+    def probe_server(self, timeout_s: float) -> bool:
+        """Ask the server for its R3 module once (at start); log how to fix a server without it."""
+        if self.client is None:
+            return False
+        try:
+            info = self.client.info().result(timeout=timeout_s)
+        except Exception as error:
+            logger.error(
+                "lmcache_r3: the LMCache server at %s does not answer R3 calls (%s). Without the R3 chunk type every "
+                "LMCache hit is recomputed: run the server with `lmcache-r3 server` (r3.enabled: true in "
+                'LMCACHE_CONFIG_FILE), or turn routed experts off with "lmcache_r3.routed_experts": false',
+                self.client.server_url,
+                error,
+            )
+            return False
+        if info.chunk_size != self.chunk_size:
+            logger.error("lmcache_r3: the server's R3 chunk size is %d but the connector's is %d; no hit will match",
+                         info.chunk_size, self.chunk_size)  # fmt: skip
+        return True
+
     # -- lookup ----------------------------------------------------------------------------------------------
     def _state(self, request: Any) -> _RequestState:
         state = self._requests.get(request.request_id)

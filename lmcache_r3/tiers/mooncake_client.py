@@ -114,13 +114,16 @@ class _StagingBuffers:
         self._idle: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def acquire(self, nbytes: int) -> np.ndarray | None:
+    def acquire(self, nbytes: int) -> np.ndarray:
         with self._lock:
             fits = [i for i, buf in enumerate(self._idle) if buf.nbytes >= nbytes]
             if fits:
                 return self._idle.pop(min(fits, key=lambda i: self._idle[i].nbytes))
         buf = np.empty(-(-max(nbytes, 1) // _BUFFER_ALIGN) * _BUFFER_ALIGN, dtype=np.uint8)
-        return buf if self._native.register_buffer(buf.ctypes.data, buf.nbytes) == 0 else None
+        code = self._native.register_buffer(buf.ctypes.data, buf.nbytes)
+        if code != 0:
+            raise RuntimeError(f"register_buffer of {buf.nbytes} bytes returned {describe(code)}")
+        return buf
 
     def release(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -5,7 +5,8 @@ The Mooncake client config comes from ``adapter_params.mooncake`` (the fields of
 ``MooncakeConfig.load_from_env()`` itself (``MOONCAKE_CONFIG_PATH``, or the ``MOONCAKE_MASTER`` variables).
 Inline, ``local_hostname``, ``metadata_server`` and ``master_server_address`` are required; the tier defaults to
 ``global_segment_size = 0`` (this process lends no memory: separate ``mooncake_client`` holders do, so objects
-outlive the LMCache server) and a 16 MiB ``local_buffer_size`` (the tier never uses that buffer).
+outlive the LMCache server) and a 16 MiB ``local_buffer_size`` (the tier never uses that buffer); a file or the
+environment keeps Mooncake's own defaults (a 3.125 GiB segment lent by this process, a 1 GiB local buffer).
 
 The master's health URL is ``http://<host of master_server_address>:<master_metrics_port>/health`` (the master's
 ``--metrics_port``, 9003 by default), or ``master_health_url`` when given.
@@ -63,6 +64,9 @@ class MooncakeTierConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MooncakeTierSettings:
+    """Everything :class:`lmcache_r3.tiers.mooncake_store.MooncakeObjectStore` needs; build it with
+    :func:`settings_from_params`."""
+
     mooncake: MooncakeConfig
     """What ``MooncakeDistributedStore.setup`` gets."""
     health_url: str

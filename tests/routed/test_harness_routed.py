@@ -257,3 +257,33 @@ def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(
     assert harness.scheduler.connector.counters.values["retrieves"] == 1  # the KV path is unchanged
     assert not (harness.outputs["dense-again"] or {}).get(ROUTED_EXPERTS_KEY)
     assert sum("no MoE layers" in r.getMessage() for r in caplog.records) == 2  # once per connector role
+
+
+def test_a_step_without_capture_gives_an_error_never_rows(r3_harness, caplog):
+    """What the worker reports when the routers did not capture (e.g. torch.compile on CPU): no row is guessed."""
+    from lmcache_r3.mp.capture import CaptureError
+
+    harness = r3_harness()
+
+    def no_capture():
+        raise CaptureError("a step ran tokens through the model but no MoE router reported its routing")
+
+    harness.worker.r3_step_source = no_capture
+    harness.generate([("blind", prompt(80, seed=12))], max_tokens=2)
+    params = harness.outputs["blind"]
+    assert ROUTED_EXPERTS_KEY not in params
+    assert "incomplete" in params[ROUTED_EXPERTS_ERROR_KEY]
+    assert any("no MoE router reported" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_without_the_r3_module_recomputes_and_says_how_to_fix_it(
+    scheduler_harness_factory, lmcache_server, caplog
+):
+    harness = scheduler_harness_factory(server=lmcache_server, connector_module=CONNECTOR, routed_experts=True)
+    tokens = prompt(2 * CHUNK + 10, seed=13)
+    harness.generate([("one", tokens)], max_tokens=2)
+    harness.reset_prefix_cache()
+    harness.generate([("two", tokens)], max_tokens=2)
+    assert harness.outputs["two"]["lmcache_r3_sources"]["lmcache_tokens"] == 0  # KV alone is never a hit
+    np.testing.assert_array_equal(returned_rows(harness, "two"), expected_rows(harness, "two", tokens, 2))
+    assert any("lmcache-r3 server" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")

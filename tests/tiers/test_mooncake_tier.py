@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
-from lmcache_r3.launch import LOOPBACK, ManagedProcess
+from lmcache_r3.launch import LOOPBACK, ManagedProcess, ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import r3_server_module_spec
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
@@ -286,19 +286,16 @@ def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_wh
         server.stop()
 
 
-def test_a_missing_setting_is_refused_naming_the_key_and_the_fix(mooncake_cluster, monkeypatch):
-    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
-    from lmcache_r3.tiers.mooncake_config import MooncakeTierConfigError
-
-    params = mooncake_tier(mooncake_cluster)["adapter_params"]
-    del params["mooncake"]["master_server_address"]
-    with pytest.raises(MooncakeTierConfigError, match=r"adapter_params\.mooncake\.master_server_address is required"):
-        MooncakeL2Adapter(params)
-    del params["mooncake"]
-    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
-    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
-    with pytest.raises(MooncakeTierConfigError, match="MOONCAKE_CONFIG_PATH"):
-        MooncakeL2Adapter(params)
+def test_a_server_with_a_missing_mooncake_setting_refuses_to_start_naming_the_key(
+    lmcache_server_factory, mooncake_cluster
+):
+    tier = mooncake_tier(mooncake_cluster)
+    del tier["adapter_params"]["mooncake"]["master_server_address"]
+    with pytest.raises(ServiceStartError) as failure:
+        lmcache_server_factory(chunk_size=CHUNK, l2_adapters=(tier,))
+    message = str(failure.value)
+    assert "adapter_params.mooncake.master_server_address is required" in message, message[-2000:]
+    assert '"master_server_address": "10.0.0.1:50051"' in message, "the error shows no example of the fix"
 
 
 # -- a Mooncake client that throws or stalls ------------------------------------------------------------------------
