@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from lmcache_r3.tiers.plugins import required_parameters
+
 CONFIG_ENV_VAR = "LMCACHE_CONFIG_FILE"
 CONFIG_EXTRA_KEY = "lmcache_r3.config_file"
 """``kv_connector_extra_config`` key naming the file for one engine (else ``$LMCACHE_CONFIG_FILE``)."""
@@ -111,6 +113,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 raise ValueError(
                     f"tiers[{index}] has no 'type'; each tier needs one, e.g. {{type: fs, base_path: /data/l2}}"
                 )
+            for key in required_parameters(kind):
+                if key not in tier:
+                    raise ValueError(
+                        f"tiers[{index}].{key}: required for a tier of type {kind} "
+                        f"(e.g. {{type: shm, root: /dev/shm/lmcache_r3, capacity_bytes: 8589934592}})"
+                    )
 
     @property
     def server_url(self) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port
+from lmcache_r3.tiers.plugins import l2_adapter_spec
 
 #: Where LMCache finds the R3 chunk type (``--server-module``).
 R3_SERVER_MODULE = "lmcache_r3.mp.server_module"
@@ -193,6 +194,6 @@ def settings_from_config(config) -> ServerSettings:
         max_workers=server.max_workers,
         transfer_mode=server.transfer_mode,
         server_modules=modules,
-        l2_adapters=tuple(dict(tier) for tier in config.tiers),
+        l2_adapters=tuple(l2_adapter_spec(tier) for tier in config.tiers),
         extra_args=tuple(server.extra_args),
     )

@@ -1,0 +1,115 @@
+"""Tiers named in LMCACHE_CONFIG_FILE: ``{type: shm, ...}`` becomes the plugin adapter of a real server started by
+``lmcache-r3 server``, and the tier's capacity and TTL act under that server."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from lmcache_r3.artifacts import encoded_nbytes
+from lmcache_r3.config import ConfigError, parse_config
+from lmcache_r3.launch import ManagedProcess, executable, free_port
+from lmcache_r3.mp.r3_client import R3Client
+from lmcache_r3.mp.server_process import LMCacheServer, ServerSettings
+from lmcache_r3.tiers.plugins import l2_adapter_spec
+from lmcache_r3.tiers.shm_store import HEADER
+from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
+from tests.support.processes import REGISTRY
+from tests.tiers.test_shm_tier import clear_l1, fetch_rows, shm_root, tier_files, tier_status, wait_for_files
+
+__all__ = ["shm_root"]  # the fixture, shared with the shm tier tests
+
+pytestmark = pytest.mark.server
+
+
+@pytest.mark.parametrize(
+    ("tier", "spec"),
+    [
+        pytest.param(
+            {"type": "shm", "root": "/dev/shm/x", "capacity_bytes": 1 << 30, "ttl_seconds": 60},
+            {"type": "plugin", "module_path": "lmcache_r3.tiers.shm_adapter", "class_name": "ShmL2Adapter",
+             "adapter_params": {"root": "/dev/shm/x", "capacity_bytes": 1 << 30, "ttl_seconds": 60}},
+            id="shm-becomes-the-plugin",
+        ),
+        pytest.param(
+            {"type": "shm", "root": "/r", "capacity_bytes": 1, "eviction": {"eviction_policy": "LRU"}},
+            {"type": "plugin", "module_path": "lmcache_r3.tiers.shm_adapter", "class_name": "ShmL2Adapter",
+             "eviction": {"eviction_policy": "LRU"}, "adapter_params": {"root": "/r", "capacity_bytes": 1}},
+            id="eviction-stays-beside-type",
+        ),
+        pytest.param({"type": "fs", "base_path": "/d"}, {"type": "fs", "base_path": "/d"}, id="stock-passes-through"),
+    ],
+)  # fmt: skip
+def test_tier_entries_become_l2_adapter_specs(tier, spec):
+    assert l2_adapter_spec(tier) == spec
+
+
+@pytest.mark.parametrize("missing", ["root", "capacity_bytes"])
+def test_a_shm_tier_without_a_required_key_is_refused_with_its_name(missing):
+    tier = {"type": "shm", "root": "/dev/shm/x", "capacity_bytes": 1 << 30}
+    del tier[missing]
+    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{missing}: required for a tier of type shm"):
+        parse_config({"tiers": [tier]}, "deploy.yaml")
+
+
+def start_from_config(tmp_path, tier: dict) -> LMCacheServer:
+    port, http_port = free_port(), free_port()
+    document = {"server": {"port": port, "http_port": http_port, "chunk_size": CHUNK, "l1_size_gb": 0.25},
+                "tiers": [tier]}  # fmt: skip
+    config = tmp_path / "lmcache_r3.yaml"
+    config.write_text(yaml.safe_dump(document))
+    process = ManagedProcess("lmcache-r3 server", [executable("lmcache-r3"), "server", "--config", str(config)],
+                             tmp_path / "server.log")  # fmt: skip
+    REGISTRY.add(process)
+    server = LMCacheServer(ServerSettings(port=port, http_port=http_port, chunk_size=CHUNK), process)
+    process.wait_ready(server.ping, 90, "answering RPC ping")
+    process.wait_ready(lambda: bool(server.status(timeout_s=1.0)), 90, "serving /status")
+    return server
+
+
+def test_a_shm_tier_from_the_config_file_serves_r3_after_l1_is_cleared(tmp_path, shm_root):
+    server = start_from_config(tmp_path, {"type": "shm", "root": shm_root, "capacity_bytes": 64 << 20})
+    try:
+        tokens, rows = tokens_for(301, 3 * CHUNK), rows_for(301, 3 * CHUNK)
+        with R3Client(server.url, MODEL, PROFILE) as r3:
+            assert store_rows(r3, tokens, rows).num_stored == 3
+            wait_for_files(shm_root, 3)
+            clear_l1(server)
+            hits, fetched = fetch_rows(r3, tokens)
+        assert hits == 3 and np.array_equal(fetched, rows)
+    finally:
+        server.process.stop()
+
+
+def test_capacity_evicts_the_oldest_and_ttl_sweeps_under_a_real_server(tmp_path, shm_root):
+    object_bytes = encoded_nbytes(PROFILE, CHUNK) + HEADER.size  # a file: the store's header + the R3 object
+    tier = {"type": "shm", "root": shm_root, "capacity_bytes": 4 * object_bytes + object_bytes // 2, "ttl_seconds": 2,
+            "sweep_interval_seconds": 0.5}  # fmt: skip
+    server = start_from_config(tmp_path, tier)
+    try:
+        with R3Client(server.url, MODEL, PROFILE) as r3:
+            first = tokens_for(302, 3 * CHUNK)
+            store_rows(r3, first, rows_for(302, 3 * CHUNK))
+            before = frozenset(wait_for_files(shm_root, 3))
+            second = tokens_for(303, 3 * CHUNK)
+            store_rows(r3, second, rows_for(303, 3 * CHUNK))
+            deadline = time.monotonic() + 10
+            while len(tier_files(shm_root)) > 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held = tier_files(shm_root)
+            assert len(held) <= 4, "the tier holds more than its capacity"
+            assert before - held, "the oldest objects were meant to be evicted"
+            assert tier_status(server)["evictions"] >= 2
+            clear_l1(server)
+            assert fetch_rows(r3, first)[0] < 3  # evicted objects are misses, never wrong bytes
+            deadline = time.monotonic() + 10
+            while tier_files(shm_root) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not tier_files(shm_root), "objects older than ttl_seconds were meant to be swept"
+            assert tier_status(server)["expired"] >= 1
+            assert fetch_rows(r3, second)[0] == 0
+    finally:
+        server.process.stop()
