@@ -18,6 +18,7 @@ from typing import Any
 
 PLUGINS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "shm": ("lmcache_r3.tiers.shm_adapter", "ShmL2Adapter", ("root", "capacity_bytes")),
+    "mooncake": ("lmcache_r3.tiers.mooncake_adapter", "MooncakeL2Adapter", ()),  # or MOONCAKE_CONFIG_PATH
 }
 """Tier type -> (module, adapter class, required parameters)."""
 

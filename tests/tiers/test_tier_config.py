@@ -40,6 +40,12 @@ pytestmark = pytest.mark.server
              "eviction": {"eviction_policy": "LRU"}, "adapter_params": {"root": "/r", "capacity_bytes": 1}},
             id="eviction-stays-beside-type",
         ),
+        pytest.param(
+            {"type": "mooncake", "mooncake": {"master_server_address": "10.0.0.1:50051"}, "master_metrics_port": 9003},
+            {"type": "plugin", "module_path": "lmcache_r3.tiers.mooncake_adapter", "class_name": "MooncakeL2Adapter",
+             "adapter_params": {"mooncake": {"master_server_address": "10.0.0.1:50051"}, "master_metrics_port": 9003}},
+            id="mooncake-becomes-the-plugin",
+        ),
         pytest.param({"type": "fs", "base_path": "/d"}, {"type": "fs", "base_path": "/d"}, id="stock-passes-through"),
     ],
 )  # fmt: skip
