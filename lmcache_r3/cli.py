@@ -51,7 +51,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def summarize_status(status: dict) -> dict:
-    """The parts of ``/status`` an operator of lmcache_r3 looks at: health, L1 use and locks, R3 counters."""
+    """The parts of ``/status`` an operator of lmcache_r3 looks at: health, L1 use and locks, R3 and tier counters."""
     l1 = status.get("storage_manager", {}).get("l1_managers", {}).get("_default", {})
     keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
     summary = {
@@ -59,7 +59,20 @@ def summarize_status(status: dict) -> dict:
         "l1": {key: l1.get(key) for key in keys},
         # LMCache merges each server module's report_status() into the top level of /status.
         "r3": status.get("lmcache_r3"),
+        "tiers": [_tier_summary(adapter) for adapter in status.get("storage_manager", {}).get("l2_adapters", [])],
     }
+    return summary
+
+
+TIER_COUNTERS = ("hits", "misses", "bytes", "errors", "evictions", "corrupt", "objects", "capacity_bytes")
+
+
+def _tier_summary(adapter: dict) -> dict:
+    """One L2 tier: its type, health and the counters it reports (lmcache_r3's tiers report all of them)."""
+    summary = {"type": adapter.get("type"), "healthy": adapter.get("is_healthy")}
+    summary.update({key: adapter[key] for key in TIER_COUNTERS if key in adapter})
+    if adapter.get("reason"):
+        summary["reason"] = adapter["reason"]
     return summary
 
 

@@ -144,11 +144,23 @@ class Rollouts:
         return results
 
     def reset_caches(self, lmcache_too: bool) -> None:
+        self._wait_for_stores()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
-        time.sleep(0.3)  # LMCache commits KV and R3 stores asynchronously
         if lmcache_too:
             self.server.clear_l1()
+
+    def _wait_for_stores(self, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
+        """LMCache commits KV and R3 stores asynchronously: wait until the server's object count stops growing."""
+        deadline = time.monotonic() + timeout_s
+        count, stable_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now = self.server.l1_counts()["total_object_count"]
+            if now != count:
+                count, stable_since = now, time.monotonic()
+            elif time.monotonic() - stable_since >= settle_s:
+                return
+            time.sleep(0.05)
 
 
 def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int, max_tokens: int) -> DemoResult:

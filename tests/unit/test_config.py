@@ -86,11 +86,14 @@ def test_connector_reads_the_file_named_in_its_extra_config_before_the_environme
 def test_stock_connector_entries_come_from_the_file_and_explicit_entries_win():
     from lmcache_r3.config import stock_connector_extra_config
 
-    config = parse_config({"server": {"port": 6100, "http_port": 6101}, "connector": {"mq_timeout_s": 12}})
+    config = parse_config(
+        {"server": {"port": 6100, "http_port": 6101}, "connector": {"mq_timeout_s": 12, "save_decode_cache": True}}
+    )
     assert stock_connector_extra_config(config) == {
         "lmcache.mp.host": "tcp://127.0.0.1",
         "lmcache.mp.port": 6100,
         "lmcache.mp.mq_timeout": 12.0,
+        "lmcache.mp.save_decode_cache": True,
     }
     remote = parse_config({"connector": {"server_url": "tcp://10.1.2.3:6200"}})
     entries = stock_connector_extra_config(remote, {"lmcache.mp.mq_timeout": 3})

@@ -1,0 +1,566 @@
+"""Put/get throughput of the storage tiers, with their baselines measured in the same run.
+
+Two object kinds, each a batch of ``--objects`` objects: a 256-token KV chunk (48 layers x (K, V) x 4 KV heads x
+head 128, bf16: 24 MiB, the shape of Qwen3-30B-A3B) and the 256-token R3 chunk of the same model (48 layers x top-8
+of 128 experts, uint8: 96 KiB + a 72-byte header, built with ``encode_run``). Each batch goes through:
+
+1. ``ShmL2Adapter`` (lmcache_r3's /dev/shm tier), root in a fresh 0700 directory under /dev/shm;
+2. LMCache's stock fs L2 adapter with its base path under /dev/shm (the peer of 1);
+3. ``MooncakeL2Adapter`` (lmcache_r3's Mooncake tier) against a Mooncake master and a separate holder process
+   started here on loopback (as the tests start them, but with Mooncake's default 10 s read lease);
+4. raw ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same bytes on the same cluster, the
+   whole batch in one call, from and into registered buffers (the peer of 3);
+5. a single-thread memcpy (``numpy.copyto`` object by object into preallocated, already touched buffers): the limit.
+
+The adapters are driven in-process through ``L2AdapterInterface`` as LMCache's storage controllers drive them: put =
+``submit_store_task`` (keys + LMCache ``TensorMemoryObj`` views of caller memory) until its event fd signals and
+``pop_completed_store_tasks`` has the task; get = ``submit_lookup_and_lock_task`` until the bitmap comes, then
+``submit_load_task`` into other memory objects until its bitmap comes, then ``submit_unlock``. Every get is checked
+byte for byte against what was put; a mismatch, a miss or a failed store stops the run.
+
+Each repeat runs every path once (the paths interleaved in a rotating order, fresh keys every time, objects deleted
+again untimed); one untimed warm-up repeat comes first. Figures are medians over ``--repeats``; ratios are ratios of
+medians.
+
+    python bench/bench_tiers.py [--objects 16] [--repeats 5] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import logging
+import os
+import platform
+import select
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import torch
+from benchdocs import DOCS, write_section
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.platform.event_notifier import consume_fd
+
+from lmcache_r3.artifacts import R3Profile, encode_run, encoded_nbytes
+from lmcache_r3.launch import LOOPBACK, TELEMETRY_OFF, ManagedProcess, executable, exit_on_sigterm, free_port
+from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+from lmcache_r3.tiers.mooncake_config import settings_from_params
+from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for the tests' Mooncake helpers
+from tests.support.mooncake import MOONCAKE_ENV, MooncakeCluster  # noqa: E402
+
+SECTION = "## Storage tiers"
+CHUNK = 256
+MODEL = "bench-model"
+KV_LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
+PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
+TASK_TIMEOUT_S = 120.0
+PATHS = ("shm", "fs", "mooncake", "raw_mooncake", "memcpy")
+LABELS = {
+    "shm": "lmcache_r3 shm tier (`ShmL2Adapter`, /dev/shm)",
+    "fs": "LMCache fs tier (`FSL2Adapter`, base path on /dev/shm)",
+    "mooncake": "lmcache_r3 Mooncake tier (`MooncakeL2Adapter`)",
+    "raw_mooncake": "raw Mooncake `batch_put_from` / `batch_get_into`",
+    "memcpy": "memcpy, one thread (`numpy.copyto` per object)",
+}
+
+
+class BenchFailure(RuntimeError):
+    """A path lost, changed or failed to store bytes: the run is worthless and stops."""
+
+
+# -- the objects ------------------------------------------------------------------------------------------------------
+@dataclass
+class Kind:
+    """One object kind: ``count`` objects of ``nbytes`` each, laid out back to back in ``source``."""
+
+    name: str
+    describe: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    model_name: str
+    source: np.ndarray
+    count: int
+
+    @property
+    def total(self) -> int:
+        return self.count * self.nbytes
+
+    def views(self, buffer: np.ndarray) -> list[np.ndarray]:
+        return [buffer[i * self.nbytes : (i + 1) * self.nbytes] for i in range(self.count)]
+
+    def memory_objects(self, buffer: np.ndarray) -> list[TensorMemoryObj]:
+        """LMCache memory objects over ``buffer`` (an L1 allocation's flat uint8 tensor and its logical shape)."""
+        return [
+            TensorMemoryObj(
+                raw_data=torch.from_numpy(view),
+                metadata=MemoryObjMetadata(
+                    shape=torch.Size(self.shape),
+                    dtype=self.dtype,
+                    address=i * self.nbytes,
+                    phy_size=self.nbytes,
+                    ref_count=1,
+                    fmt=self.fmt,
+                ),
+                parent_allocator=None,
+            )
+            for i, view in enumerate(self.views(buffer))
+        ]
+
+    def keys(self, path: str, repeat: int) -> list[ObjectKey]:
+        """Fresh keys for one put of this kind on one path (a tier may skip a key it already holds)."""
+        return [
+            ObjectKey(
+                chunk_hash=hashlib.blake2b(f"{self.name}/{path}/{repeat}/{i}".encode(), digest_size=32).digest(),
+                model_name=self.model_name,
+                kv_rank=0,
+                object_group_id=0,
+            )
+            for i in range(self.count)
+        ]
+
+
+def kv_kind(count: int) -> Kind:
+    shape = (2, KV_LAYERS, CHUNK, KV_HEADS * HEAD_DIM)
+    nbytes = int(np.prod(shape)) * 2
+    source = np.random.default_rng(0).integers(0, 256, count * nbytes, dtype=np.uint8)
+    return Kind(
+        "KV",
+        f"256-token KV chunk, {KV_LAYERS} layers x (K, V) x {KV_HEADS} KV heads x {HEAD_DIM}, bf16",
+        nbytes,
+        shape,
+        torch.bfloat16,
+        MemoryFormat.KV_2LTD,
+        MODEL,
+        source,
+        count,
+    )
+
+
+def r3_kind(count: int) -> Kind:
+    rows = np.random.default_rng(1).integers(0, PROFILE.num_experts, (count * CHUNK, *PROFILE.row_shape))
+    source = np.frombuffer(encode_run(PROFILE, 0, rows.astype(PROFILE.dtype), CHUNK), dtype=np.uint8).copy()
+    nbytes = encoded_nbytes(PROFILE, CHUNK)
+    return Kind(
+        "R3",
+        f"256-token R3 chunk, {PROFILE.describe()}, + header",
+        nbytes,
+        (nbytes,),
+        torch.uint8,
+        MemoryFormat.BINARY_BUFFER,
+        MODEL + "##r3",
+        source,
+        count,
+    )
+
+
+# -- the paths ------------------------------------------------------------------------------------------------------
+def wait_for(fd: int, query: Callable[[], object], what: str) -> object:
+    """Wait on a task's event fd, draining it as LMCache's controllers do, until ``query()`` has the result."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + TASK_TIMEOUT_S
+    while (result := query()) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BenchFailure(f"{what} did not complete within {TASK_TIMEOUT_S:.0f} s")
+        if poller.poll(int(remaining * 1000) + 1):
+            consume_fd(fd)
+    return result
+
+
+class AdapterPath:
+    """An L2 adapter driven through ``L2AdapterInterface`` as LMCache's store and prefetch controllers drive it."""
+
+    def __init__(self, name: str, adapter) -> None:
+        self.name, self.adapter = name, adapter
+        self._stored: dict[int, object] = {}
+
+    def _store_result(self, task_id: int):
+        self._stored.update(self.adapter.pop_completed_store_tasks())
+        return self._stored.pop(task_id, None)
+
+    def put(self, kind: Kind, keys: list[ObjectKey], objects: list) -> None:
+        task_id = self.adapter.submit_store_task(keys, objects)
+        result = wait_for(self.adapter.get_store_event_fd(), lambda: self._store_result(task_id), f"{self.name} store")
+        if not result.is_successful() or result.bytes_transferred() != kind.total:
+            raise BenchFailure(f"{self.name}: store of {kind.count} {kind.name} objects returned {result}")
+
+    def get(self, kind: Kind, keys: list[ObjectKey], objects: list) -> float:
+        """Lookup-and-lock, load, unlock; returns the seconds the lookup took."""
+        adapter = self.adapter
+        started = time.perf_counter()
+        task_id = adapter.submit_lookup_and_lock_task(keys, {})
+        hits = wait_for(
+            adapter.get_lookup_and_lock_event_fd(),
+            lambda: adapter.query_lookup_and_lock_result(task_id),
+            f"{self.name} lookup",
+        )
+        lookup_s = time.perf_counter() - started
+        try:
+            if hits.popcount() != len(keys):
+                raise BenchFailure(f"{self.name}: lookup found {hits.popcount()} of {len(keys)} {kind.name} objects")
+            task_id = adapter.submit_load_task(keys, objects)
+            loaded = wait_for(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task_id), "load")
+            if loaded.popcount() != len(keys):
+                raise BenchFailure(f"{self.name}: loaded {loaded.popcount()} of {len(keys)} {kind.name} objects")
+        finally:
+            adapter.submit_unlock(keys)
+        return lookup_s
+
+    def remove(self, keys: list[ObjectKey]) -> None:
+        self.adapter.delete(keys)
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
+class RawMooncakePath:
+    """``batch_put_from`` / ``batch_get_into`` of the whole batch between registered buffers and the holder."""
+
+    name = "raw_mooncake"
+
+    def __init__(self, cluster: MooncakeCluster) -> None:
+        self.store = cluster.client()
+        self._registered: list[int] = []
+
+    def register(self, *buffers: np.ndarray) -> None:
+        for buffer in buffers:
+            code = self.store.register_buffer(buffer.ctypes.data, buffer.nbytes)
+            if code != 0:
+                raise BenchFailure(f"raw Mooncake: register_buffer of {buffer.nbytes} bytes returned {code}")
+            self._registered.append(buffer.ctypes.data)
+
+    def unregister(self) -> None:
+        while self._registered:
+            self.store.unregister_buffer(self._registered.pop())
+
+    @staticmethod
+    def _names(keys: list[ObjectKey]) -> list[str]:
+        return [f"bench-raw/{key.model_name}@{key.chunk_hash.hex()}" for key in keys]
+
+    def put(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> None:
+        ptrs = [buffer.ctypes.data + i * kind.nbytes for i in range(kind.count)]
+        codes = self.store.batch_put_from(self._names(keys), ptrs, [kind.nbytes] * kind.count)
+        if any(code != 0 for code in codes):
+            raise BenchFailure(f"raw Mooncake: batch_put_from returned {codes}")
+
+    def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
+        ptrs = [buffer.ctypes.data + i * kind.nbytes for i in range(kind.count)]
+        codes = self.store.batch_get_into(self._names(keys), ptrs, [kind.nbytes] * kind.count)
+        if any(code != kind.nbytes for code in codes):
+            raise BenchFailure(f"raw Mooncake: batch_get_into returned {codes}")
+        return 0.0
+
+    def remove(self, keys: list[ObjectKey]) -> None:
+        self.store.batch_remove(self._names(keys), True)
+
+    def close(self) -> None:
+        self.unregister()
+        self.store.close()
+
+
+class MemcpyPath:
+    """One thread copying each object into a preallocated, already touched buffer, and back out of it."""
+
+    name = "memcpy"
+
+    def __init__(self, kind: Kind) -> None:
+        self.held = np.zeros_like(kind.source)
+
+    def put(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> None:
+        for target, source in zip(kind.views(self.held), kind.views(buffer), strict=True):
+            np.copyto(target, source)
+
+    def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
+        for target, source in zip(kind.views(buffer), kind.views(self.held), strict=True):
+            np.copyto(target, source)
+        return 0.0
+
+    def remove(self, keys: list[ObjectKey]) -> None:
+        self.held[:] = 0
+
+    def close(self) -> None:
+        self.held = None
+
+
+def start_cluster(workdir: Path, segment_mb: int) -> MooncakeCluster:
+    """A master and a holder on loopback, started as ``tests.support.mooncake.start_mooncake`` starts them but with
+    Mooncake's default read lease (10 s): under the tests' 200 ms a ``batch_get_into`` of a few tens of MiB can
+    outlive its lease on this machine and answer ``LEASE_EXPIRED``."""
+    rpc_port, metrics_port, holder_port = free_port(), free_port(), free_port()
+    master = ManagedProcess(
+        "mooncake_master",
+        [
+            executable("mooncake_master"),
+            f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={rpc_port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={metrics_port}",
+            "--rpc_thread_num=2",
+            "--logtostderr=1",
+        ],
+        workdir / "mooncake-master.log",
+        env=MOONCAKE_ENV,
+    )
+    holder = None
+    try:
+        probe = MooncakeCluster(master, master, rpc_port, metrics_port)
+        master.wait_ready(probe.healthy, 30, "answering /health")
+        holder = ManagedProcess(
+            "mooncake_client (holder)",
+            [
+                executable("mooncake_client"),
+                f"--host={LOOPBACK}",
+                f"--port={holder_port}",
+                f"--global_segment_size={segment_mb}MB",
+                "--local_buffer_size=0",
+                f"--master_server_address={LOOPBACK}:{rpc_port}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+                "--logtostderr=1",
+            ],
+            workdir / "mooncake-holder.log",
+            env=MOONCAKE_ENV,
+        )
+        holder.wait_ready(lambda: probe.capacity_bytes() > 0, 30, "segment mounted")
+    except BaseException:
+        if holder is not None:
+            holder.stop()
+        master.stop()
+        raise
+    return MooncakeCluster(master, holder, rpc_port, metrics_port)
+
+
+# -- measuring ------------------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    put_s: float
+    get_s: float
+    lookup_s: float
+
+
+def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarray) -> Sample:
+    """Put the batch, get it back into ``target`` (through ``targets``), check every byte, delete it (untimed)."""
+    keys = kind.keys(path.name, repeat)
+    started = time.perf_counter()
+    path.put(kind, keys, sources)
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    lookup_s = path.get(kind, keys, targets)
+    get_s = time.perf_counter() - started
+    if not np.array_equal(target, kind.source):
+        bad = [
+            i
+            for i, (a, b) in enumerate(zip(kind.views(target), kind.views(kind.source), strict=True))
+            if (a != b).any()
+        ]
+        raise BenchFailure(f"{path.name}: {len(bad)} of {kind.count} {kind.name} objects came back different: {bad}")
+    target[:] = 0
+    path.remove(keys)
+    return Sample(put_s, get_s, lookup_s)
+
+
+def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[str, list[Sample]], int]:
+    """Every path's samples, and the Mooncake tier's ``batch_bytes``."""
+    target = np.zeros_like(kind.source)  # touched, like a warm L1 allocation
+    sources, targets = kind.memory_objects(kind.source), kind.memory_objects(target)
+    shm_root = tempfile.mkdtemp(prefix=f"r3-bench-shm-{kind.name}-", dir="/dev/shm")  # mode 0700, ours
+    fs_root = tempfile.mkdtemp(prefix=f"r3-bench-fs-{kind.name}-", dir="/dev/shm")
+    paths: list = []
+    try:
+        paths.append(AdapterPath("shm", ShmL2Adapter({"root": shm_root, "capacity_bytes": 4 * kind.total})))
+        paths.append(AdapterPath("fs", FSL2Adapter(FSL2AdapterConfig(base_path=fs_root))))
+        params = {
+            "mooncake": {
+                "local_hostname": LOOPBACK,
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": cluster.master_address,
+                "global_segment_size": 0,
+                "protocol": "tcp",
+            },
+            "master_metrics_port": cluster.metrics_port,
+            "key_prefix": f"bench-tier-{kind.name}/",
+        }
+        mooncake = MooncakeL2Adapter(params)
+        paths.append(AdapterPath("mooncake", mooncake))
+        deadline = time.monotonic() + 30
+        while mooncake.report_status()["state"] != "up":
+            if time.monotonic() > deadline:
+                raise BenchFailure(f"the Mooncake tier did not connect: {mooncake.report_status()}")
+            time.sleep(0.05)
+        raw = RawMooncakePath(cluster)
+        paths.append(raw)
+        raw.register(kind.source, target)
+        paths.append(MemcpyPath(kind))
+
+        samples: dict[str, list[Sample]] = {path.name: [] for path in paths}
+        for repeat in range(repeats + 1):  # repeat 0 warms every path up and is not counted
+            for path in paths[repeat % len(paths) :] + paths[: repeat % len(paths)]:  # a new order every repeat
+                if isinstance(path, AdapterPath):
+                    sample = one_round(path, kind, repeat, sources, targets, target)
+                else:
+                    sample = one_round(path, kind, repeat, kind.source, target, target)
+                if repeat:
+                    samples[path.name].append(sample)
+        return samples, settings_from_params(params).batch_bytes
+    finally:
+        for path in paths:
+            path.close()
+        shutil.rmtree(shm_root, ignore_errors=True)
+        shutil.rmtree(fs_root, ignore_errors=True)
+
+
+# -- reporting ------------------------------------------------------------------------------------------------------
+@dataclass
+class Figures:
+    put_gbps: float
+    get_gbps: float
+    put_ms: float
+    get_ms: float
+    lookup_ms: float
+
+
+def figures(kind: Kind, samples: list[Sample]) -> Figures:
+    put_s = statistics.median(s.put_s for s in samples)
+    get_s = statistics.median(s.get_s for s in samples)
+    lookup_s = statistics.median(s.lookup_s for s in samples)
+    return Figures(kind.total / put_s / 1e9, kind.total / get_s / 1e9, put_s * 1e3, get_s * 1e3, lookup_s * 1e3)
+
+
+GOALS = (
+    ("shm tier / fs tier", "shm", "fs", 1.5),
+    ("shm tier / memcpy", "shm", "memcpy", 0.3),
+    ("Mooncake tier / raw Mooncake", "mooncake", "raw_mooncake", 0.8),
+)
+
+
+def machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    return f"nproc {os.cpu_count()} ({model})"
+
+
+def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, Figures]], batch_bytes: int) -> str:
+    def ms(value: float) -> str:
+        return f"{value:.1f} ms" if value >= 1 else f"{value:.2f} ms"
+
+    out = [
+        SECTION,
+        "",
+        f"`{command}` on {machine()}, {datetime.date.today().isoformat()}; Python {platform.python_version()}, "
+        f"lmcache {version('lmcache')}, mooncake-transfer-engine-non-cuda "
+        f"{version('mooncake-transfer-engine-non-cuda')}, numpy {np.__version__}.",
+        "",
+        f"A batch of {args.objects} objects of each kind; medians of {args.repeats} repeats after one warm-up, all "
+        "paths interleaved (in a rotating order) in every repeat; GB/s is 10^9 bytes of payload per second. Objects:",
+        "",
+    ]
+    out += [
+        f"- {kind.name}: {kind.describe}, {kind.nbytes:,} bytes ({kind.total / 2**20:.1f} MiB a batch)."
+        for kind in kinds
+    ]
+    out += [
+        "",
+        "Paths: the three tiers are driven in-process through `L2AdapterInterface` as LMCache's storage controllers "
+        "drive them (store task until its event fd signals; get = lookup-and-lock, then load into LMCache "
+        "`TensorMemoryObj`s, then unlock), not through a server. The Mooncake master and a separate holder process "
+        "(which owns the memory segment) run on loopback TCP, started by the benchmark; raw Mooncake moves the same "
+        "bytes between registered buffers and that holder, the whole batch in one call each way, and its get has "
+        f"no lookup (the tier splits a batch into calls of at most its `batch_bytes`, {batch_bytes >> 20} MiB, and "
+        "reads each object's size first). The master keeps Mooncake's default 10 s read lease. memcpy "
+        "copies each object into a preallocated, already touched buffer (put) and back (get). Every get is compared "
+        "byte for byte with what was put.",
+        "",
+        "| path | " + " | ".join(f"{k.name} put | {k.name} get | {k.name} get: lookup" for k in kinds) + " |",
+        "| --- |" + " --- | --- | --- |" * len(kinds),
+    ]
+    for name in PATHS:
+        cells = []
+        for kind in kinds:
+            f = results[kind.name][name]
+            lookup = ms(f.lookup_ms) if name in ("shm", "fs", "mooncake") else "-"
+            cells += [f"{f.put_gbps:.2f} GB/s ({ms(f.put_ms)})", f"{f.get_gbps:.2f} GB/s ({ms(f.get_ms)})", lookup]
+        out.append(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "Ratios (of the medians above; put and get each) and the goals of the issue:",
+        "",
+        "| ratio | " + " | ".join(f"{k.name} put | {k.name} get" for k in kinds) + " | goal | status |",
+        "| --- |" + " --- | --- |" * len(kinds) + " --- | --- |",
+    ]
+    for label, num, den, goal in GOALS:
+        cells, missed = [], []
+        for kind in kinds:
+            for op in ("put", "get"):
+                ratio = getattr(results[kind.name][num], f"{op}_gbps") / getattr(results[kind.name][den], f"{op}_gbps")
+                cells.append(f"{ratio:.2f}x")
+                if ratio < goal:
+                    missed.append(f"{kind.name} {op}")
+        status = "**met**" if not missed else f"**not met** ({', '.join(missed)})"
+        out.append(f"| {label} | " + " | ".join(cells) + f" | >= {goal}x | {status} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--objects", type=int, default=16, help="objects per batch, of each kind (default 16)")
+    parser.add_argument("--repeats", type=int, default=5, help="measured repeats per path (default 5)")
+    parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {DOCS.name}")
+    args = parser.parse_args()
+    if args.objects < 1 or args.repeats < 1:
+        parser.error("--objects and --repeats must be at least 1")
+    exit_on_sigterm()
+    os.environ.update(TELEMETRY_OFF)
+    os.environ.update(MOONCAKE_ENV)  # this process's Mooncake clients stay on loopback too
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("lmcache"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    command = " ".join(["python bench/bench_tiers.py", *sys.argv[1:]])
+
+    kv_bytes = args.objects * 2 * KV_LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
+    segment_mb = max(256, 3 * kv_bytes // 2**20 + 64)  # one tier batch + one raw batch + room below eviction
+    workdir = Path(tempfile.mkdtemp(prefix="lmcache_r3-bench-tiers-"))
+    cluster = start_cluster(workdir, segment_mb)
+    results: dict[str, dict[str, Figures]] = {}
+    kinds: list[Kind] = []
+    try:
+        for make in (kv_kind, r3_kind):
+            kind = make(args.objects)
+            samples, batch_bytes = measure(kind, cluster, args.repeats)
+            results[kind.name] = {name: figures(kind, samples[name]) for name in PATHS}
+            kind.source = kind.source[:0]  # the report needs only the sizes
+            kinds.append(kind)
+    except BenchFailure as failure:
+        print(f"FAILED: {failure}\nMooncake logs: {workdir}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+    text = report(command, args, kinds, results, batch_bytes)
+    print(text)
+    if args.write:
+        write_section(SECTION, text)
+        print(f"updated {DOCS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
