@@ -36,9 +36,17 @@ from lmcache.integration.vllm.lmcache_mp_metadata import (
 from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from lmcache_r3.artifacts import R3Profile, TokenRange
-from lmcache_r3.config import load_connector_config, stock_connector_extra_config
+from lmcache_r3.artifacts import TokenRange
 from lmcache_r3.mp import capture, planning, stock_fit
+from lmcache_r3.mp.connector_config import (
+    R3_TIMEOUT_KEY,
+    ROUTED_EXPERTS_KEY,
+    SEPARATE_GROUPS_KEY,
+    first_server_url,
+    mirrored_group,
+    resolve_extra_config,
+    routed_experts_profile,
+)
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
@@ -46,10 +54,6 @@ from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, repo
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
-SEPARATE_GROUPS_KEY = "lmcache_r3.separate_object_groups"
-ROUTED_EXPERTS_KEY = "lmcache_r3.routed_experts"
-R3_TIMEOUT_KEY = "lmcache_r3.r3_timeout_s"
 NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
 
 
@@ -72,82 +76,6 @@ class ConnectorCounters:
     def add(self, name: str, value: int = 1) -> None:
         with self._lock:
             self.values[name] += value
-
-
-def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
-    """The ``kv_connector_extra_config`` LMCache's connector is built with.
-
-    Server address and timeouts come from the lmcache_r3 config file unless set explicitly. A hybrid model
-    (several KV groups) needs lmcache_driven transfer: LMCache 0.5.6's engine-driven transfer handles one group.
-
-    Raises:
-        ValueError: a hybrid model with ``lmcache.mp.mp_transfer_mode=engine_driven``; the message names the mode
-            that works.
-    """
-    config = load_connector_config(extra_config)
-    merged = stock_connector_extra_config(config, extra_config)
-    num_groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
-    if num_groups > 1:
-        mode = merged.get(TRANSFER_MODE_KEY)
-        if mode == "engine_driven":
-            raise ValueError(
-                f"{TRANSFER_MODE_KEY}=engine_driven cannot serve this model: it has {num_groups} KV cache groups "
-                "(a hybrid model) and LMCache 0.5.6 engine-driven transfer supports one. Set "
-                f'"{TRANSFER_MODE_KEY}": "lmcache_driven" in kv_connector_extra_config (the server must accept it: '
-                "transfer_mode auto or lmcache_driven)."
-            )
-        merged[TRANSFER_MODE_KEY] = "lmcache_driven"
-    # Whether the server runs with --separate-object-groups: said explicitly, or read from the same config file.
-    merged.setdefault(SEPARATE_GROUPS_KEY, "--separate-object-groups" in config.server.extra_args)
-    merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
-    merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
-    return merged
-
-
-def routed_experts_profile(vllm_config: Any, enabled: bool) -> R3Profile | None:
-    """The R3 row profile of the served model, or None when routed experts are off (a dense model, or asked off).
-
-    Raises:
-        ValueError: vLLM's own ``enable_return_routed_experts`` is on as well (two capturers on one router).
-    """
-    if vllm_config.aux_output_config.enable_return_routed_experts:
-        raise ValueError(
-            "vLLM's enable_return_routed_experts is on, and lmcache_r3's connector returns routed experts itself "
-            "(through kv_transfer_params, with LMCache hits included). Turn vLLM's off (drop "
-            '--enable-return-routed-experts), or set "lmcache_r3.routed_experts": false in kv_connector_extra_config.'
-        )
-    if not enabled:
-        return None
-    model_config = vllm_config.model_config
-    num_experts = model_config.get_num_experts()
-    if num_experts <= 0:
-        logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
-                    model_config.model)  # fmt: skip
-        return None
-    return R3Profile(
-        num_layers=model_config.get_total_num_hidden_layers(),
-        top_k=model_config.get_num_experts_per_tok(),
-        num_experts=num_experts,
-    )
-
-
-def _mirrored_group(kv_cache_config: Any) -> int:
-    """The KV cache group whose slots key the R3 slot mirror: the first full-attention group."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ()):
-        if isinstance(group.kv_cache_spec, FullAttentionSpec):
-            return index
-    return 0
-
-
-def _first_server_url(extra: dict[str, Any]) -> str:
-    urls = extra.get("lmcache.mp.server_urls")
-    if urls:
-        first = (urls if isinstance(urls, list) else str(urls).split(","))[0].strip()
-    else:
-        first = f"{extra.get('lmcache.mp.host', 'tcp://localhost')}:{extra.get('lmcache.mp.port', 5555)}"
-    return first if "://" in first else f"tcp://{first}"
 
 
 class LMCacheMPConnector(StockLMCacheMPConnector):
@@ -181,7 +109,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._unflushed_store_blocks: set[int] = set()
         # Routed experts (R3).
         self.r3_profile = routed_experts_profile(vllm_config, bool(merged[ROUTED_EXPERTS_KEY]))
-        self._r3_group = _mirrored_group(kv_cache_config)
+        self._r3_group = mirrored_group(kv_cache_config)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
         self.routed: RoutedExpertsBook | None = None
         self.r3_capture: capture.RouterCapture | None = None
@@ -196,7 +124,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def _init_routed_experts_book(self, vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> None:
         timeout_s = float(extra[R3_TIMEOUT_KEY])
-        client = R3Client(_first_server_url(extra), self.scheduler_adapter.model_name, self.r3_profile, timeout_s)
+        client = R3Client(first_server_url(extra), self.scheduler_adapter.model_name, self.r3_profile, timeout_s)
         self.routed = RoutedExpertsBook(
             self.r3_profile,
             chunk_size=self.scheduler_adapter.lmcache_tokens_per_chunk,

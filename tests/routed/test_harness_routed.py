@@ -245,7 +245,7 @@ def test_two_tp_ranks_worker_metadata_carries_rank_zeros_rows_once(r3_harness):
 def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(
     scheduler_harness_factory, r3_server, tiny_dense_config, caplog
 ):
-    caplog.set_level("INFO", logger="lmcache_r3.mp.connector")
+    caplog.set_level("INFO", logger="lmcache_r3.mp")
     harness = scheduler_harness_factory(
         server=r3_server, model_dir=tiny_dense_config, connector_module=CONNECTOR, routed_experts=True
     )

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmcache_r3.mp.connector import SEPARATE_GROUPS_KEY, TRANSFER_MODE_KEY, resolve_extra_config
+from lmcache_r3.mp.connector_config import SEPARATE_GROUPS_KEY, TRANSFER_MODE_KEY, resolve_extra_config
 
 
 def groups(n: int):

@@ -69,7 +69,7 @@ def vllm_config(tiny_moe):
 
 
 def test_profile_of_a_moe_model_and_refusal_next_to_vllms_own_routed_experts(vllm_config):
-    from lmcache_r3.mp.connector import routed_experts_profile
+    from lmcache_r3.mp.connector_config import routed_experts_profile
 
     assert routed_experts_profile(vllm_config, enabled=True) == R3Profile(num_layers=2, top_k=2, num_experts=8)
     assert routed_experts_profile(vllm_config, enabled=False) is None
