@@ -1,4 +1,5 @@
-"""``LMCacheMPConnector`` for vLLM 0.32: LMCache 0.5.6's multiprocess connector with the hybrid-model fixes.
+"""``LMCacheMPConnector`` for vLLM 0.32: LMCache 0.5.6's multiprocess connector with routed experts and the
+hybrid-model fixes.
 
 Use it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector", "kv_connector_module_path":
 "lmcache_r3.mp.connector", "kv_role": "kv_both"}'``. It subclasses LMCache's connector and changes four things,
@@ -14,6 +15,11 @@ each decided by a pure function of :mod:`lmcache_r3.mp.planning` (docs/connector
 3. **Store window.** A store ends before the first chunk whose block in any group is the null block, and nothing
    of that request is stored after it.
 4. **Coverage guard.** No retrieve into a range some group has no blocks for.
+
+**Routed experts** (MoE models, on unless ``"lmcache_r3.routed_experts": false``): the worker captures each step's
+routing (:mod:`lmcache_r3.mp.capture`), the scheduler assembles every request's rows from vLLM's prefix cache,
+LMCache and computation, makes every LMCache hit a joint KV+R3 hit, stores R3 under the KV chunk keys, and returns
+the rows in ``kv_transfer_params["routed_experts"]`` (:mod:`lmcache_r3.mp.routed`; docs/r3.md).
 
 The worker side refuses, whatever the scheduler sent, to use the null block as the source or destination of a
 copy. Everything else (lookups, the transfer itself, sessions) is LMCache's. The connector reads
