@@ -32,47 +32,32 @@ first byte so they can never collide with each other:
   recovered after a restart (the name is one-way): they are still served on lookup, and the store's own LRU
   capacity and TTL bound them, but LMCache's eviction does not see them until a lookup touches them again.
 
-Threading and completion
-------------------------
-Store, lookup-and-lock and load tasks each run on their own small thread pool, one job per task. Every submitted task
-completes exactly once (success or failure) and signals its event fd: the job publishes its result in a ``finally``,
-a submit that cannot schedule completes the task at once as failed, and a watchdog thread fails tasks that run longer
-than ``task_timeout_seconds`` (marking the adapter unhealthy for a while). No submit, no ``delete`` and no ``unlock``
-raises. A task the watchdog failed is *abandoned*: its job stops before touching the next object; an object it
-published after the caller got the failure is removed again (the L1 buffer may have been reused); a stalled read
-that finally returns cannot be undone, which is why the timeout is generous.
+Tasks, locks and accounting
+---------------------------
+Task completion, the watchdog, "locks" and byte accounting are :mod:`lmcache_r3.tiers.task_adapter`'s: every
+submitted task completes exactly once and signals its event fd, even when the store throws; a task still running after
+``task_timeout_seconds`` is failed and marks the adapter unhealthy for ``unhealthy_for_seconds`` (60); no submit, no
+``delete`` and no ``unlock`` raises. A task the watchdog failed stops before touching the next object; an object it
+published after the caller got the failure is removed again (the L1 buffer may have been reused); a stalled read that
+finally returns cannot be undone, which is why the timeout is generous. The store's own hard-cap LRU and the TTL sweep
+may still remove a locked object, which turns its load into a miss (loads may fail by contract).
 
-"Lock" is an in-process reference count per key that makes ``delete`` (LMCache's eviction) skip the key until it is
-unlocked; the store's own hard-cap LRU and the TTL sweep may still remove a locked object, which turns its load into
-a miss (loads may fail by contract).
-
-Accounting
-----------
-The adapter keeps the keys it knows (stored here, found at start-up, or loaded from a sharing server) with their
-payload sizes and reports them through ``_notify_keys_stored`` / ``_notify_keys_deleted`` so LMCache's ``get_usage``
-and eviction policy see the tier. At start-up it adopts every decodable object under the root, and replays the
-current set to every listener registered after construction, so eviction works after a restart. Objects the store
-removes on its own (hard-cap eviction, TTL, corruption, a miss on a key we knew) are reported as deleted.
+At start-up the adapter adopts every decodable object under the root and replays the set to every listener registered
+after construction, so eviction works after a restart. Objects the store removes on its own (hard-cap eviction, TTL,
+corruption, a miss on a key we knew) are reported as deleted and counted as ``removed_by_store``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import struct
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from lmcache.lmcache_native import Bitmap
 from lmcache.logging import init_logger
-from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
-from lmcache.v1.distributed.internal_api import L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.platform import create_event_notifier
+from lmcache.v1.distributed.api import ObjectKey
 
 from lmcache_r3.tiers.shm_store import (
     HEADER,
@@ -82,6 +67,7 @@ from lmcache_r3.tiers.shm_store import (
     object_name,
     shard_of,
 )
+from lmcache_r3.tiers.task_adapter import Task, TaskL2Adapter, byte_view
 
 logger = init_logger(__name__)
 
@@ -106,6 +92,7 @@ _PARAMS = frozenset(
         "durable",
     }
 )
+_WORKERS = {"store": 2, "lookup": 1, "load": 2}
 
 
 # -- keys ------------------------------------------------------------------------------------------------------------
@@ -152,24 +139,11 @@ def decode_object_key(encoded: bytes) -> ObjectKey | None:
     return key if encode_object_key(key) == bytes(encoded) else None
 
 
-# -- tasks -----------------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Task:
-    tid: int
-    kind: str  # "store" | "lookup" | "load"
-    size: int  # number of keys
-    started: float = field(default_factory=time.monotonic)
-    done: bool = False
-    abandoned: bool = False
-    """Failed by the watchdog: the job must stop touching the caller's buffers."""
-
-
-def _view(obj: Any) -> memoryview:
-    return memoryview(obj.byte_array).cast("B")
-
-
-class ShmL2Adapter(L2AdapterInterface):
+# -- the adapter -----------------------------------------------------------------------------------------------------
+class ShmL2Adapter(TaskL2Adapter):
     """An ``L2AdapterInterface`` over :class:`ShmObjectStore` (see the module for the design)."""
+
+    VANISHED = "removed_by_store"
 
     def __init__(self, adapter_params: dict[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(adapter_params or {})
@@ -183,7 +157,6 @@ class ShmL2Adapter(L2AdapterInterface):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ValueError(f"ShmL2Adapter: adapter_params.capacity_bytes must be an int > 0, got {capacity!r}")
         ttl = params.get("ttl_seconds")
-        super().__init__(max_capacity_bytes=capacity)
         try:
             self._store = ShmObjectStore(
                 root, capacity_bytes=capacity, ttl_seconds=ttl, durable=bool(params.get("durable", False))
@@ -191,54 +164,20 @@ class ShmL2Adapter(L2AdapterInterface):
         except UntrustedRootError as err:
             logger.error("ShmL2Adapter refuses its root: %s", err)
             raise
-        self._timeout = float(params.get("task_timeout_seconds", 30.0))
-        self._sweep_interval = float(params.get("sweep_interval_seconds", 10.0))
-        self._unhealthy_for = float(params.get("unhealthy_for_seconds", 60.0))
-        self._l1_memory_desc = l1_memory_desc
-
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Task] = {}
-        self._results: dict[str, dict[int, Any]] = {"store": {}, "lookup": {}, "load": {}}
-        self._locks: dict[bytes, int] = {}
-        self._known: dict[bytes, tuple[ObjectKey, int]] = {}
-        self._counters = dict.fromkeys(
-            (
-                "errors",
-                "timeouts",
-                "store_tasks",
-                "stored_objects",
-                "lookup_tasks",
-                "lookup_hits",
-                "lookup_misses",
-                "load_tasks",
-                "loaded_objects",
-                "load_failures",
-                "deleted_objects",
-                "delete_skipped_locked",
-                "removed_by_store",
-                "unrecoverable_keys_at_start",
-            ),
-            0,
+        super().__init__(
+            capacity_bytes=capacity,
+            task_timeout_s=float(params.get("task_timeout_seconds", 30.0)),
+            unhealthy_for_s=float(params.get("unhealthy_for_seconds", 60.0)),
+            workers={kind: int(params.get(f"num_{kind}_workers", n)) for kind, n in _WORKERS.items()},
+            thread_prefix="shm-l2",
+            extra_counters=("unrecoverable_keys_at_start",),
         )
-        self._last_stall = float("-inf")
-        self._closed = False
+        self._sweep_interval = float(params.get("sweep_interval_seconds", 10.0))
+        self._l1_memory_desc = l1_memory_desc
         self._store_seen = self._store_removals()
-
-        self._efds = {
-            "store": create_event_notifier(),
-            "lookup": create_event_notifier(),
-            "load": create_event_notifier(),
-        }
-        self._pools = {
-            "store": ThreadPoolExecutor(int(params.get("num_store_workers", 2)), thread_name_prefix="shm-l2-store"),
-            "lookup": ThreadPoolExecutor(int(params.get("num_lookup_workers", 1)), thread_name_prefix="shm-l2-lookup"),
-            "load": ThreadPoolExecutor(int(params.get("num_load_workers", 2)), thread_name_prefix="shm-l2-load"),
-        }
         self._adopt_existing()
-        self._stop = threading.Event()
-        self._maintenance = threading.Thread(target=self._maintain, name="shm-l2-watchdog", daemon=True)
-        self._maintenance.start()
+        self._next_sweep = time.monotonic() + self._sweep_interval
+        self._start_watchdog()
         used, _ = self._store.usage()
         logger.info(
             "ShmL2Adapter on %s: capacity %d bytes, ttl %s s, %d objects (%d bytes) already there",
@@ -249,7 +188,6 @@ class ShmL2Adapter(L2AdapterInterface):
             used,
         )
 
-    # -- start-up and listeners --------------------------------------------------------------------------------------
     def _adopt_existing(self) -> None:
         keys, sizes = [], []
         for encoded in self._store.keys():
@@ -265,335 +203,87 @@ class ShmL2Adapter(L2AdapterInterface):
             sizes.append(max(size, 0))
         self._register(keys, sizes)
 
-    def register_listener(self, listener: Any) -> None:
-        """Register ``listener`` and replay the objects already resident, so its LRU can evict them."""
-        super().register_listener(listener)
-        with self._lock:
-            snapshot = list(self._known.values())
-        if snapshot:
+    # -- the store's operations --------------------------------------------------------------------------------------
+    def _name(self, key: ObjectKey) -> bytes:
+        return encode_object_key(key)
+
+    def _each(
+        self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any], doing: str, operation
+    ) -> Iterator[tuple[int, memoryview, Any]]:
+        """``(i, view, operation(names[i], view))`` per object until the task is abandoned; a raise is counted, logged
+        and skips the object."""
+        for i, (key, name, obj) in enumerate(zip(keys, names, objects, strict=False)):
+            if task.abandoned:
+                return
             try:
-                listener.on_l2_keys_stored([k for k, _ in snapshot], [s for _, s in snapshot])
-            except Exception:
-                logger.exception("ShmL2Adapter: replaying %d resident keys to a listener failed", len(snapshot))
+                view = byte_view(obj)
+                result = operation(name, view)
+            except Exception as err:
+                self._count("errors")
+                logger.warning("ShmL2Adapter: %s %s failed: %s", doing, key, err)
+                continue
+            yield i, view, result
 
-    def _register(self, keys: list[ObjectKey], sizes: list[int]) -> None:
-        new_keys, new_sizes = [], []
-        with self._lock:
-            for key, size in zip(keys, sizes, strict=True):
-                encoded = encode_object_key(key)
-                if encoded not in self._known:
-                    self._known[encoded] = (key, size)
-                    new_keys.append(key)
-                    new_sizes.append(size)
-        if new_keys:
-            self._notify_keys_stored(new_keys, new_sizes)
+    def _put(
+        self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any]
+    ) -> Iterator[tuple[int, int, int]]:
+        for i, view, published in self._each(task, keys, names, objects, "storing", self._store.put):
+            if self._abandoned(task):
+                # The caller was told this task failed and may have reused the buffer meanwhile.
+                if published:
+                    self._store.delete([names[i]])
+                return
+            yield i, view.nbytes, view.nbytes if published else 0
 
-    def _unregister(self, encoded_keys: list[bytes]) -> int:
-        gone = []
-        with self._lock:
-            for encoded in encoded_keys:
-                entry = self._known.pop(encoded, None)
-                if entry is not None:
-                    gone.append(entry)
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
-        return len(gone)
-
-    # -- event fds ---------------------------------------------------------------------------------------------------
-    def get_store_event_fd(self) -> int:
-        return self._efds["store"].fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._efds["lookup"].fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._efds["load"].fileno()
-
-    # -- task plumbing -----------------------------------------------------------------------------------------------
-    def _submit(self, kind: str, size: int, job, *args) -> L2TaskId:
-        """Register a task and schedule ``job(task, *args)``; never raises, every task completes."""
-        task = _Task(tid=next(self._ids), kind=kind, size=size)
-        with self._lock:
-            self._pending[task.tid] = task
-            self._counters[f"{kind}_tasks"] += 1
-        try:
-            if self._closed:
-                raise RuntimeError("ShmL2Adapter is closed")
-            self._pools[kind].submit(job, task, *args)
-        except Exception as err:
-            logger.warning("ShmL2Adapter: could not schedule a %s task: %s", kind, err)
-            self._count("errors")
-            self._finish(task, self._failure(task))
-        return task.tid
-
-    @staticmethod
-    def _failure(task: _Task) -> Any:
-        return L2StoreResult(False, 0) if task.kind == "store" else Bitmap(task.size)
-
-    def _finish(self, task: _Task, result: Any) -> bool:
-        """Publish ``result`` and signal, once per task; False when the task was already completed."""
-        with self._lock:
-            if task.done:
-                return False
-            task.done = True
-            self._pending.pop(task.tid, None)
-            self._results[task.kind][task.tid] = result
-        try:
-            self._efds[task.kind].notify()
-        except Exception:
-            logger.exception("ShmL2Adapter: signalling a %s completion failed", task.kind)
-        return True
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
-    # -- store -------------------------------------------------------------------------------------------------------
-    def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        return self._submit("store", len(keys), self._run_store, list(keys), list(objects))
-
-    def _run_store(self, task: _Task, keys: list[ObjectKey], objects: list[Any]) -> None:
-        ok = len(keys) == len(objects)
-        written = 0
-        resident_keys: list[ObjectKey] = []
-        resident_sizes: list[int] = []
-        try:
-            for key, obj in zip(keys, objects, strict=False):
-                if task.abandoned:
-                    ok = False
-                    break
-                encoded = b""
-                try:
-                    encoded = encode_object_key(key)
-                    view = _view(obj)
-                    published = self._store.put(encoded, view)
-                    with self._lock:
-                        abandoned = task.abandoned
-                    if abandoned:
-                        # The caller was told this task failed and may have reused the buffer meanwhile.
-                        if published:
-                            self._store.delete([encoded])
-                        ok = False
-                        break
-                    if published:
-                        written += view.nbytes
-                    resident_keys.append(key)
-                    resident_sizes.append(view.nbytes)
-                except Exception as err:
-                    ok = False
-                    self._count("errors")
-                    logger.warning("ShmL2Adapter: storing %s failed: %s", key, err)
-        except BaseException:
-            ok = False
-            self._count("errors")
-            logger.exception("ShmL2Adapter: store task %d failed", task.tid)
-        finally:
+    def _find(self, task: Task, keys: list[ObjectKey], names: list[bytes]) -> Iterator[int]:
+        for i, (key, name) in enumerate(zip(keys, names, strict=True)):
+            if task.abandoned:
+                return
             try:
-                self._register(resident_keys, resident_sizes)
-                self._count("stored_objects", len(resident_keys))
-            except Exception:
-                logger.exception("ShmL2Adapter: accounting a store failed")
-            self._finish(task, L2StoreResult(ok, written))
+                found = self._store.exists(name)
+            except Exception as err:
+                self._count("errors")
+                logger.warning("ShmL2Adapter: looking up %s failed: %s", key, err)
+                continue
+            if found:
+                yield i
 
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._results["store"] = self._results["store"], {}
-        return done
+    def _get(
+        self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any]
+    ) -> Iterator[tuple[int, int | None]]:
+        for i, view, length in self._each(task, keys, names, objects, "loading", self._store.get_into):
+            if length is None:
+                yield i, None  # absent, expired, or corrupt (the store removed it)
+            elif length != view.nbytes:
+                logger.warning(
+                    "ShmL2Adapter: %s holds %d bytes, the load buffer has %d; not served", keys[i], length, view.nbytes
+                )
+            else:
+                yield i, length
 
-    # -- lookup and lock ---------------------------------------------------------------------------------------------
-    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> L2TaskId:
-        return self._submit("lookup", len(keys), self._run_lookup, list(keys))
+    def _remove(self, names: list[bytes]) -> Iterable[bytes]:
+        self._store.delete(names)  # never raises; a name already gone is gone
+        return names
 
-    def _run_lookup(self, task: _Task, keys: list[ObjectKey]) -> None:
-        bitmap = Bitmap(len(keys))
-        locked: list[bytes] = []
-        hits = 0
+    def _cursor(self, name: bytes) -> str:
+        return name.hex()
+
+    def _after(self, cursor: str) -> bytes:
         try:
-            for i, key in enumerate(keys):
-                if task.abandoned:
-                    break
-                try:
-                    encoded = encode_object_key(key)
-                    if not self._store.exists(encoded):
-                        continue
-                    with self._lock:
-                        self._locks[encoded] = self._locks.get(encoded, 0) + 1
-                    locked.append(encoded)
-                    bitmap.set(i)
-                    hits += 1
-                except Exception as err:
-                    self._count("errors")
-                    logger.warning("ShmL2Adapter: looking up %s failed: %s", key, err)
-        except BaseException:
-            self._count("errors")
-            logger.exception("ShmL2Adapter: lookup task %d failed", task.tid)
-        finally:
-            with self._lock:
-                self._counters["lookup_hits"] += hits
-                self._counters["lookup_misses"] += len(keys) - hits
-            if not self._finish(task, bitmap):
-                self._release(locked)  # the caller got an empty bitmap and will never unlock these
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._results["lookup"].pop(task_id, None)
-
-    def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        try:
-            self._release([encode_object_key(key) for key in keys])
-        except Exception:
-            self._count("errors")
-            logger.exception("ShmL2Adapter: unlock failed")
-
-    def _release(self, encoded_keys: list[bytes]) -> None:
-        with self._lock:
-            for encoded in encoded_keys:
-                count = self._locks.get(encoded, 0)
-                if count <= 1:
-                    self._locks.pop(encoded, None)
-                else:
-                    self._locks[encoded] = count - 1
-
-    # -- load --------------------------------------------------------------------------------------------------------
-    def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        return self._submit("load", len(keys), self._run_load, list(keys), list(objects))
-
-    def _run_load(self, task: _Task, keys: list[ObjectKey], objects: list[Any]) -> None:
-        bitmap = Bitmap(len(keys))
-        loaded_keys: list[ObjectKey] = []
-        loaded_sizes: list[int] = []
-        missing: list[bytes] = []
-        failures = 0
-        try:
-            for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
-                if task.abandoned:
-                    break
-                try:
-                    encoded = encode_object_key(key)
-                    view = _view(obj)
-                    length = self._store.get_into(encoded, view)
-                    if length is None:
-                        missing.append(encoded)  # absent, expired, or corrupt (the store removed it)
-                        failures += 1
-                    elif length != view.nbytes:
-                        failures += 1
-                        logger.warning(
-                            "ShmL2Adapter: %s holds %d bytes, the load buffer has %d; not served",
-                            key,
-                            length,
-                            view.nbytes,
-                        )
-                    else:
-                        bitmap.set(i)
-                        loaded_keys.append(key)
-                        loaded_sizes.append(length)
-                except Exception as err:
-                    failures += 1
-                    self._count("errors")
-                    logger.warning("ShmL2Adapter: loading %s failed: %s", key, err)
-        except BaseException:
-            self._count("errors")
-            logger.exception("ShmL2Adapter: load task %d failed", task.tid)
-        finally:
-            try:
-                removed = self._unregister(missing)
-                self._count("removed_by_store", removed)
-                self._count("load_failures", failures)
-                if loaded_keys:
-                    self._register(loaded_keys, loaded_sizes)  # objects another server stored
-                    self._count("loaded_objects", len(loaded_keys))
-                    self._notify_keys_accessed(loaded_keys)
-            except Exception:
-                logger.exception("ShmL2Adapter: accounting a load failed")
-            self._finish(task, bitmap)
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._results["load"].pop(task_id, None)
-
-    # -- eviction, listing, usage ------------------------------------------------------------------------------------
-    def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove ``keys`` (LMCache's eviction thread, ``DELETE /cache/objects``); skips locked keys; never raises."""
-        try:
-            targets = []
-            skipped = 0
-            for key in keys:
-                encoded = encode_object_key(key)
-                with self._lock:
-                    locked = self._locks.get(encoded, 0) > 0
-                if locked:
-                    skipped += 1
-                    continue
-                targets.append(encoded)
-            self._store.delete(targets)
-            self._unregister(targets)
-            with self._lock:
-                self._counters["deleted_objects"] += len(targets)
-                self._counters["delete_skipped_locked"] += skipped
-        except Exception:
-            self._count("errors")
-            logger.exception("ShmL2Adapter: delete of %d keys failed", len(keys))
-
-    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
-        """The keys this adapter knows, ordered by store key; ``cursor`` is the hex store key of the last entry."""
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
-        try:
-            after = bytes.fromhex(cursor) if cursor is not None else None
+            return bytes.fromhex(cursor)
         except ValueError as err:
             raise ValueError(f"malformed cursor {cursor!r}") from err
-        with self._lock:
-            items = sorted(self._known.items())
-        entries, last, more = [], None, False
-        for encoded, (key, size) in items:
-            if after is not None and encoded <= after:
-                continue
-            if model_name is not None and key.model_name != model_name:
-                continue
-            if len(entries) == page_size:
-                more = True
-                break
-            entries.append(KeyEntry(key=key.to_encoded_object_key(), size_bytes=size))
-            last = encoded
-        return KeyListPage(entries=tuple(entries), next_page_token=last.hex() if more and last else None)
 
-    # -- watchdog, TTL, reconciliation -------------------------------------------------------------------------------
+    # -- TTL and reconciliation --------------------------------------------------------------------------------------
     def _store_removals(self) -> int:
         stats = self._store.stats()
         return stats["evictions"] + stats["expired"]
 
-    def _maintain(self) -> None:
-        tick = max(0.05, min(0.5, self._timeout / 4))
-        next_sweep = time.monotonic() + self._sweep_interval
-        while not self._stop.wait(tick):
-            try:
-                self._fail_stalled()
-                if self._store.ttl_seconds is not None and time.monotonic() >= next_sweep:
-                    next_sweep = time.monotonic() + self._sweep_interval
-                    self._store.sweep_expired()
-                self._reconcile()
-            except Exception:
-                self._count("errors")
-                logger.exception("ShmL2Adapter: maintenance failed")
-
-    def _fail_stalled(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            stalled = [t for t in self._pending.values() if now - t.started > self._timeout]
-            for task in stalled:
-                task.abandoned = True
-        for task in stalled:
-            if self._finish(task, self._failure(task)):
-                with self._lock:
-                    self._counters["timeouts"] += 1
-                    self._last_stall = now
-                logger.error(
-                    "ShmL2Adapter: %s task %d (%d keys) ran over %.1f s; failed by the watchdog",
-                    task.kind,
-                    task.tid,
-                    task.size,
-                    self._timeout,
-                )
+    def _maintain_tier(self) -> None:
+        if self._store.ttl_seconds is not None and time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self._sweep_interval
+            self._store.sweep_expired()
+        self._reconcile()
 
     def _reconcile(self) -> None:
         """Report objects the store removed by itself (hard-cap LRU, TTL) as deleted, so LMCache's view stays true."""
@@ -604,28 +294,14 @@ class ShmL2Adapter(L2AdapterInterface):
         with self._lock:
             known = list(self._known)
         gone = [encoded for encoded in known if not self._store.exists(encoded)]
-        self._count("removed_by_store", self._unregister(gone))
+        self._count(self.VANISHED, self._unregister(gone))
 
-    # -- status and shutdown -----------------------------------------------------------------------------------------
-    def report_status(self) -> dict:
-        try:
-            store_stats = self._store.stats()
-            used, capacity = self._store.usage()
-            root_ok = os.access(self._store.root, os.W_OK | os.X_OK)
-        except Exception as err:
-            return {"is_healthy": False, "type": "ShmL2Adapter", "error": str(err)}
-        now = time.monotonic()
-        with self._lock:
-            counters = dict(self._counters)
-            pending = len(self._pending)
-            oldest = max((now - t.started for t in self._pending.values()), default=0.0)
-            recently_stalled = now - self._last_stall < self._unhealthy_for
-            known = len(self._known)
-            locked = len(self._locks)
-        healthy = not self._closed and root_ok and not recently_stalled and self._maintenance.is_alive()
-        return {
-            "is_healthy": healthy,
-            "type": "ShmL2Adapter",
+    # -- status ------------------------------------------------------------------------------------------------------
+    def _tier_status(self, counters: dict[str, int]) -> tuple[bool, dict[str, Any]]:
+        store_stats = self._store.stats()
+        used, capacity = self._store.usage()
+        root_ok = os.access(self._store.root, os.W_OK | os.X_OK)
+        return root_ok, {
             "root": str(self._store.root),
             "hits": store_stats["hits"],
             "misses": store_stats["misses"],
@@ -637,36 +313,4 @@ class ShmL2Adapter(L2AdapterInterface):
             "errors": counters["errors"] + counters["timeouts"],
             "bytes_written": store_stats["bytes_written"],
             "bytes_read": store_stats["bytes_read"],
-            "objects": known,
-            "locked_keys": locked,
-            "pending_tasks": pending,
-            "oldest_pending_s": round(oldest, 3),
-            "counters": counters,
         }
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        for pool in self._pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-        self._maintenance.join(timeout=2.0)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._pending:
-                    break
-            time.sleep(0.01)
-        with self._lock:
-            leftover = list(self._pending.values())
-            for task in leftover:
-                task.abandoned = True
-        for task in leftover:  # cancelled or stuck: complete them as failed, like the watchdog would
-            self._finish(task, self._failure(task))
-        for efd in self._efds.values():
-            try:
-                efd.close()
-            except Exception:
-                pass
-        logger.info("ShmL2Adapter on %s closed: %s", self._store.root, self.report_status())

@@ -7,7 +7,6 @@ and a Mooncake client that throws or stalls."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import time
@@ -21,6 +20,7 @@ from lmcache_r3.launch import LOOPBACK, ManagedProcess, ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import r3_server_module_spec
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
+from tests.support.l2_tasks import completed
 from tests.support.mooncake import MOONCAKE_ENV, start_mooncake
 from tests.support.processes import REGISTRY
 
@@ -337,19 +337,6 @@ def _key(i: int):
     return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=MODEL, kv_rank=0, object_group_id=0)
 
 
-def _completed(fd: int, query, timeout_s: float = 5.0):
-    """Wait on a task's event fd (draining it, as LMCache's controllers do) until ``query()`` has its result."""
-    deadline = time.monotonic() + timeout_s
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    while (result := query()) is None:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, "a task never completed"
-        if poller.poll(int(remaining * 1000)):
-            os.read(fd, 8)
-    return result
-
-
 @pytest.fixture
 def adapter(mooncake_cluster, monkeypatch):
     from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
@@ -365,21 +352,21 @@ def adapter(mooncake_cluster, monkeypatch):
 
 def _store(adapter, i: int, payload: bytes) -> bool:
     task = adapter.submit_store_task([_key(i)], [_Buffer(payload)])
-    return _completed(
+    return completed(
         adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
     ).is_successful()
 
 
 def _lookup(adapter, i: int) -> int:
     task = adapter.submit_lookup_and_lock_task([_key(i)], {})
-    hits = _completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
+    hits = completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
     adapter.submit_unlock([_key(i)] if hits.popcount() else [])
     return hits.popcount()
 
 
 def _load(adapter, i: int, into: _Buffer) -> int:
     task = adapter.submit_load_task([_key(i)], [into])
-    return _completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
+    return completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
 
 
 def test_a_corrupted_object_in_mooncake_is_a_counted_miss_and_is_removed(adapter, mooncake_store):
@@ -407,7 +394,7 @@ def test_eviction_removes_an_object_from_mooncake_but_never_a_locked_one(adapter
     assert _store(adapter, 5, os.urandom(2048))
     name = mooncake_key(_key(5), adapter._prefix)
     task = adapter.submit_lookup_and_lock_task([_key(5)], {})
-    assert _completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
+    assert completed(adapter.get_lookup_and_lock_event_fd(), lambda: adapter.query_lookup_and_lock_result(task))
     adapter.delete([_key(5)])  # LMCache's eviction thread, while a lookup holds the key for a load
     assert mooncake_store.is_exist(name) == 1 and adapter.report_status()["locked_keys"] == 1
     adapter.submit_unlock([_key(5)])

@@ -1,0 +1,506 @@
+"""What the lmcache_r3 tiers share as LMCache 0.5.6 L2 adapters: :class:`TaskL2Adapter`.
+
+A tier subclasses it and provides only its own operations (tier keys, put, find, get, remove; optionally maintenance,
+status fields and shutdown: see "what a tier provides" in the class); this module owns the rest of the interface.
+
+Tasks and completion
+--------------------
+Store, lookup-and-lock and load tasks each run on their own small thread pool, one job per task. Every submitted task
+completes exactly once (success or failure) and signals its event fd: the job publishes its result in a ``finally``
+whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a watchdog thread
+fails tasks that run longer than the task timeout (marking the adapter unhealthy for ``unhealthy_for_s``). No submit,
+no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*: ``task.abandoned`` tells the tier's
+operation to stop before it touches the caller's next buffer, and whatever the job finds afterwards is dropped (the
+keys a late lookup locked are released again). ``close`` fails the tasks still pending after a grace period.
+
+Locks and accounting
+--------------------
+"Lock" is an in-process reference count per key: a lookup-and-lock hit takes one, ``submit_unlock`` releases it, and
+``delete`` (LMCache's eviction, ``DELETE /cache/objects``) skips the key while it is held. The tier's own eviction may
+still remove a locked object, which turns its load into a miss (loads may fail by contract).
+
+The adapter keeps the keys it knows (stored here, loaded from a tier another server shares, or found by the tier at
+start-up) with their payload sizes and reports them through ``_notify_keys_stored`` / ``_notify_keys_deleted``, so
+LMCache's ``get_usage`` and eviction policy see the tier; a listener registered after construction gets the current
+set replayed. Known objects a load finds gone, or the tier removed on its own (:meth:`~TaskL2Adapter._unregister`),
+are reported deleted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.logging import init_logger
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.platform import create_event_notifier
+
+logger = init_logger(__name__)
+
+__all__ = ["COUNTERS", "KINDS", "Task", "TaskL2Adapter", "byte_view"]
+
+KINDS = ("store", "lookup", "load")
+"""Task kinds: each has its own thread pool, event fd and result registry."""
+
+COUNTERS = tuple(
+    "errors timeouts store_tasks stored_objects store_failures lookup_tasks lookup_hits lookup_misses load_tasks "
+    "loaded_objects load_failures deleted_objects delete_skipped_locked".split()
+)
+"""The counters every tier reports under ``report_status()["counters"]``."""
+
+
+@dataclass(eq=False)
+class Task:
+    tid: int
+    kind: str  # one of KINDS
+    size: int  # number of keys
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+    abandoned: bool = False
+    """Failed by the watchdog (or by close): the job must stop touching the caller's buffers."""
+
+
+def byte_view(obj: Any) -> memoryview:
+    """The bytes of an L1 memory object, as a flat writable view of the caller's memory."""
+    return memoryview(obj.byte_array).cast("B")
+
+
+class TaskL2Adapter(L2AdapterInterface):
+    """``L2AdapterInterface`` over a tier's operations (see the module). Subclasses call :meth:`_start_watchdog`."""
+
+    VANISHED = "vanished_objects"
+    """The counter of known objects the tier no longer has (a load missed them, or the tier removed them)."""
+
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int,
+        task_timeout_s: float,
+        unhealthy_for_s: float,
+        workers: dict[str, int],
+        thread_prefix: str,
+        extra_counters: tuple[str, ...] = (),
+        drain_s: float = 2.0,
+    ) -> None:
+        super().__init__(max_capacity_bytes=capacity_bytes)
+        self._timeout = float(task_timeout_s)
+        self._unhealthy_for = float(unhealthy_for_s)
+        self._drain_s = float(drain_s)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a task completes
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Task] = {}
+        self._results: dict[str, dict[int, Any]] = {kind: {} for kind in KINDS}
+        self._locks: dict[Hashable, int] = {}
+        self._known: dict[Hashable, tuple[ObjectKey, int]] = {}
+        self._counters = dict.fromkeys((*COUNTERS, self.VANISHED, *extra_counters), 0)
+        self._last_stall = float("-inf")
+        self._closed = False
+        self._efds = {kind: create_event_notifier() for kind in KINDS}
+        self._pools = {
+            kind: ThreadPoolExecutor(workers[kind], thread_name_prefix=f"{thread_prefix}-{kind}") for kind in KINDS
+        }
+        self._stop = threading.Event()
+        self._maintenance = threading.Thread(target=self._maintain, name=f"{thread_prefix}-watchdog", daemon=True)
+
+    def _start_watchdog(self) -> None:
+        """Start the watchdog (and the tier's maintenance); the subclass calls this once it is ready."""
+        self._maintenance.start()
+
+    # -- what a tier provides ----------------------------------------------------------------------------------------
+    @abstractmethod
+    def _name(self, key: ObjectKey) -> Hashable:
+        """The tier's key for ``key``: injective, orderable, and cheap."""
+
+    @abstractmethod
+    def _put(
+        self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any]
+    ) -> Iterable[tuple[int, int, int]]:
+        """Write ``objects[i]`` under ``names[i]``; yield ``(i, size, written)`` for each object the tier now holds.
+
+        ``written`` is the bytes this call wrote (0 when the object was there already). An index not yielded fails
+        the task. Stop at ``task.abandoned``, and remove an object published after it was set.
+        """
+
+    @abstractmethod
+    def _find(self, task: Task, keys: list[ObjectKey], names: list[Hashable]) -> Iterable[int]:
+        """Yield the index of each name the tier holds (each one is locked as it is yielded)."""
+
+    @abstractmethod
+    def _get(
+        self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any]
+    ) -> Iterable[tuple[int, int | None]]:
+        """Read ``names[i]`` into ``objects[i]``; yield ``(i, size)`` when the whole buffer was filled, ``(i, None)``
+        when the tier no longer has the object. An index not yielded is a miss. Stop at ``task.abandoned``."""
+
+    @abstractmethod
+    def _remove(self, names: list[Hashable]) -> Iterable[Hashable]:
+        """Remove ``names`` from the tier; the names it no longer holds."""
+
+    def _maintain_tier(self) -> None:
+        """Periodic tier work on the watchdog thread (sweeps, reconciliation); exceptions are counted as errors."""
+
+    def _tier_status(self, counters: dict[str, int]) -> tuple[bool, dict[str, Any]]:
+        """Whether the tier is healthy, and its status fields (``counters`` is a snapshot); may raise."""
+        return True, {}
+
+    def _close_tier(self) -> None:
+        """Release the tier, after every task completed."""
+
+    def _cursor(self, name: Hashable) -> str:
+        """The ``list_l2_keys`` cursor of ``name``."""
+        return str(name)
+
+    def _after(self, cursor: str) -> Hashable:
+        """The name a ``list_l2_keys`` cursor stands for; ValueError when malformed."""
+        return cursor
+
+    # -- event fds ---------------------------------------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._efds["store"].fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._efds["lookup"].fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._efds["load"].fileno()
+
+    # -- task plumbing -----------------------------------------------------------------------------------------------
+    def _submit(self, kind: str, size: int, job, *args) -> L2TaskId:
+        """Register a task and schedule ``job(task, *args)``; never raises, every task completes."""
+        task = Task(tid=next(self._ids), kind=kind, size=size)
+        with self._lock:
+            self._pending[task.tid] = task
+            self._counters[f"{kind}_tasks"] += 1
+        try:
+            if self._closed:
+                raise RuntimeError(f"{type(self).__name__} is closed")
+            self._pools[kind].submit(job, task, *args)
+        except Exception as err:
+            logger.warning("%s: could not schedule a %s task: %s", type(self).__name__, kind, err)
+            self._count("errors")
+            self._finish(task, self._failure(task))
+        return task.tid
+
+    @staticmethod
+    def _failure(task: Task) -> Any:
+        return L2StoreResult(False, 0) if task.kind == "store" else Bitmap(task.size)
+
+    def _finish(self, task: Task, result: Any) -> bool:
+        """Publish ``result`` and signal, once per task; False when the task was already completed."""
+        with self._lock:
+            if not self._complete(task, result):
+                return False
+        self._signal(task.kind)
+        return True
+
+    def _complete(self, task: Task, result: Any) -> bool:
+        """Publish ``result`` unless the task was completed already (the lock is held)."""
+        if task.done:
+            return False
+        task.done = True
+        self._pending.pop(task.tid, None)
+        self._results[task.kind][task.tid] = result
+        self._idle.notify_all()
+        return True
+
+    def _signal(self, kind: str) -> None:
+        try:
+            self._efds[kind].notify()
+        except Exception:
+            logger.exception("%s: signalling a %s completion failed", type(self).__name__, kind)
+
+    def _abandoned(self, task: Task) -> bool:
+        """``task.abandoned``, read under the lock the watchdog sets it under."""
+        with self._lock:
+            return task.abandoned
+
+    def _crashed(self, task: Task) -> None:
+        """The tier raised out of a task's operation: count and log it (the job still completes the task)."""
+        self._count("errors")
+        logger.exception("%s: %s task %d failed", type(self).__name__, task.kind, task.tid)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    # -- store -------------------------------------------------------------------------------------------------------
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
+        return self._submit("store", len(keys), self._run_store, list(keys), list(objects))
+
+    def _run_store(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
+        ok = len(keys) == len(objects)
+        written = 0
+        stored_keys: list[ObjectKey] = []
+        stored_sizes: list[int] = []
+        try:
+            names = [self._name(key) for key in keys]
+            for i, size, new_bytes in self._put(task, keys, names, objects):
+                stored_keys.append(keys[i])
+                stored_sizes.append(size)
+                written += new_bytes
+        except BaseException:
+            ok = False
+            self._crashed(task)
+        finally:
+            ok = ok and len(stored_keys) == len(keys)
+            try:
+                self._register(stored_keys, stored_sizes)
+                with self._lock:
+                    self._counters["stored_objects"] += len(stored_keys)
+                    self._counters["store_failures"] += len(keys) - len(stored_keys)
+            except Exception:
+                logger.exception("%s: accounting a store failed", type(self).__name__)
+            self._finish(task, L2StoreResult(ok, written))
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._results["store"] = self._results["store"], {}
+        return done
+
+    # -- lookup and lock ---------------------------------------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> L2TaskId:
+        return self._submit("lookup", len(keys), self._run_lookup, list(keys))
+
+    def _run_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
+        bitmap = Bitmap(len(keys))
+        locked: list[Hashable] = []
+        try:
+            names = [self._name(key) for key in keys]
+            for i in self._find(task, keys, names):
+                with self._lock:
+                    self._locks[names[i]] = self._locks.get(names[i], 0) + 1
+                locked.append(names[i])
+                bitmap.set(i)
+        except BaseException:
+            self._crashed(task)
+        finally:
+            with self._lock:
+                self._counters["lookup_hits"] += len(locked)
+                self._counters["lookup_misses"] += len(keys) - len(locked)
+            if not self._finish(task, bitmap):
+                self._release(locked)  # the caller got an empty bitmap and will never unlock these
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._results["lookup"].pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        try:
+            self._release([self._name(key) for key in keys])
+        except Exception:
+            self._count("errors")
+            logger.exception("%s: unlock failed", type(self).__name__)
+
+    def _release(self, names: list[Hashable]) -> None:
+        with self._lock:
+            for name in names:
+                count = self._locks.get(name, 0)
+                if count <= 1:
+                    self._locks.pop(name, None)
+                else:
+                    self._locks[name] = count - 1
+
+    # -- load --------------------------------------------------------------------------------------------------------
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
+        return self._submit("load", len(keys), self._run_load, list(keys), list(objects))
+
+    def _run_load(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
+        bitmap = Bitmap(len(keys))
+        loaded_keys: list[ObjectKey] = []
+        loaded_sizes: list[int] = []
+        vanished: list[Hashable] = []
+        try:
+            names = [self._name(key) for key in keys]
+            for i, size in self._get(task, keys, names, objects):
+                if size is None:
+                    vanished.append(names[i])
+                else:
+                    bitmap.set(i)
+                    loaded_keys.append(keys[i])
+                    loaded_sizes.append(size)
+        except BaseException:
+            self._crashed(task)
+        finally:
+            try:
+                with self._lock:
+                    self._counters["load_failures"] += len(keys) - len(loaded_keys)
+                    self._counters["loaded_objects"] += len(loaded_keys)
+                self._count(self.VANISHED, self._unregister(vanished))
+                if loaded_keys:
+                    self._register(loaded_keys, loaded_sizes)  # objects another server stored
+                    self._notify_keys_accessed(loaded_keys)
+            except Exception:
+                logger.exception("%s: accounting a load failed", type(self).__name__)
+            self._finish(task, bitmap)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._results["load"].pop(task_id, None)
+
+    # -- eviction and listing ----------------------------------------------------------------------------------------
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove ``keys`` (LMCache's eviction thread, ``DELETE /cache/objects``); skips locked keys; never raises."""
+        try:
+            names = [self._name(key) for key in keys]
+            with self._lock:
+                targets = [name for name in names if self._locks.get(name, 0) <= 0]
+                self._counters["delete_skipped_locked"] += len(names) - len(targets)
+            gone = list(self._remove(targets))
+            self._count("deleted_objects", self._unregister(gone))
+        except Exception:
+            self._count("errors")
+            logger.exception("%s: delete of %d keys failed", type(self).__name__, len(keys))
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
+        """The keys this adapter knows, ordered by tier key; ``cursor`` stands for the tier key of the last entry."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        after = self._after(cursor) if cursor is not None else None
+        with self._lock:
+            items = sorted(self._known.items())
+        entries, last, more = [], None, False
+        for name, (key, size) in items:
+            if after is not None and name <= after:
+                continue
+            if model_name is not None and key.model_name != model_name:
+                continue
+            if len(entries) == page_size:
+                more = True
+                break
+            entries.append(KeyEntry(key=key.to_encoded_object_key(), size_bytes=size))
+            last = name
+        return KeyListPage(entries=tuple(entries), next_page_token=self._cursor(last) if more else None)
+
+    # -- accounting --------------------------------------------------------------------------------------------------
+    def register_listener(self, listener: Any) -> None:
+        """Register ``listener`` and replay the objects already known, so its LRU can evict them."""
+        super().register_listener(listener)
+        with self._lock:
+            snapshot = list(self._known.values())
+        if snapshot:
+            try:
+                listener.on_l2_keys_stored([k for k, _ in snapshot], [s for _, s in snapshot])
+            except Exception:
+                logger.exception("%s: replaying %d known keys to a listener failed", type(self).__name__, len(snapshot))
+
+    def _register(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        """Know ``keys`` with their payload sizes; the ones not known yet are reported stored."""
+        new_keys, new_sizes = [], []
+        with self._lock:
+            for key, size in zip(keys, sizes, strict=True):
+                name = self._name(key)
+                if name not in self._known:
+                    self._known[name] = (key, size)
+                    new_keys.append(key)
+                    new_sizes.append(size)
+        if new_keys:
+            self._notify_keys_stored(new_keys, new_sizes)
+
+    def _unregister(self, names: Iterable[Hashable]) -> int:
+        """Forget ``names``; the ones known are reported deleted. The number forgotten."""
+        gone = []
+        with self._lock:
+            for name in names:
+                entry = self._known.pop(name, None)
+                if entry is not None:
+                    gone.append(entry)
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+        return len(gone)
+
+    # -- watchdog ----------------------------------------------------------------------------------------------------
+    def _maintain(self) -> None:
+        tick = max(0.05, min(0.5, self._timeout / 4))
+        while not self._stop.wait(tick):
+            try:
+                self._fail_stalled()
+                self._maintain_tier()
+            except Exception:
+                self._count("errors")
+                logger.exception("%s: maintenance failed", type(self).__name__)
+
+    def _fail_stalled(self) -> None:
+        now = time.monotonic()
+        for task in self._abandon(lambda t: now - t.started > self._timeout, stalled_at=now):
+            logger.error(
+                "%s: %s task %d (%d keys) ran over %.1f s; failed by the watchdog",
+                type(self).__name__,
+                task.kind,
+                task.tid,
+                task.size,
+                self._timeout,
+            )
+
+    def _abandon(self, which, stalled_at: float | None = None) -> list[Task]:
+        """Abandon the pending tasks ``which(task)`` selects and complete them as failed, counting them as timeouts
+        when ``stalled_at`` is given (before the caller can see the failure); the tasks abandoned."""
+        with self._lock:
+            tasks = [t for t in self._pending.values() if which(t)]
+            for task in tasks:
+                task.abandoned = True
+                self._complete(task, self._failure(task))
+            if stalled_at is not None and tasks:
+                self._counters["timeouts"] += len(tasks)
+                self._last_stall = stalled_at
+        for kind in {task.kind for task in tasks}:
+            self._signal(kind)
+        return tasks
+
+    # -- status and shutdown -----------------------------------------------------------------------------------------
+    def report_status(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            counters = dict(self._counters)
+            pending = len(self._pending)
+            oldest = max((now - t.started for t in self._pending.values()), default=0.0)
+            recently_stalled = now - self._last_stall < self._unhealthy_for
+            known = len(self._known)
+            locked = len(self._locks)
+        try:
+            tier_healthy, fields = self._tier_status(counters)
+        except Exception as err:
+            return {"is_healthy": False, "type": type(self).__name__, "error": str(err)}
+        healthy = tier_healthy and not self._closed and not recently_stalled and self._maintenance.is_alive()
+        return {
+            "is_healthy": healthy,
+            "type": type(self).__name__,
+            **fields,
+            "objects": known,
+            "locked_keys": locked,
+            "pending_tasks": pending,
+            "oldest_pending_s": round(oldest, 3),
+            "counters": counters,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        if self._maintenance.is_alive():
+            self._maintenance.join(timeout=2.0)
+        with self._idle:
+            self._idle.wait_for(lambda: not self._pending, timeout=self._drain_s)
+        self._abandon(lambda task: True)  # cancelled or stuck: complete them as failed, like the watchdog would
+        try:
+            self._close_tier()
+        except Exception:
+            logger.exception("%s: closing the tier failed", type(self).__name__)
+        for efd in self._efds.values():
+            try:
+                efd.close()
+            except Exception:
+                pass
+        logger.info("%s closed: %s", type(self).__name__, self.report_status())
