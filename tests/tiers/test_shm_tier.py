@@ -66,9 +66,14 @@ def tier_status(server) -> dict:
     return next(a for a in adapters if a.get("type") == "ShmL2Adapter")
 
 
-def clear_l1(server) -> None:
+def clear_l1(server, timeout_s: float = 10.0) -> None:
+    """Empty L1; objects an in-flight tier store still reads stay until it finishes, so retry (bounded)."""
+    deadline = time.monotonic() + timeout_s
     server.clear_l1()
-    assert server.l1_counts()["total_object_count"] == 0
+    while (count := server.l1_counts()["total_object_count"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        server.clear_l1()
+    assert count == 0, f"{count} objects stayed in L1"
 
 
 def fetch_rows(r3: R3Client, tokens) -> tuple[int, np.ndarray | None]:

@@ -98,32 +98,35 @@ def test_a_shm_tier_from_the_config_file_serves_r3_after_l1_is_cleared(tmp_path,
         server.process.stop()
 
 
-def test_capacity_evicts_the_oldest_and_ttl_sweeps_under_a_real_server(tmp_path, shm_root):
+def test_capacity_bounds_the_tier_and_ttl_sweeps_it_under_a_real_server(tmp_path, shm_root):
     object_bytes = encoded_nbytes(PROFILE, CHUNK) + HEADER.size  # a file: the store's header + the R3 object
     tier = {"type": "shm", "root": shm_root, "capacity_bytes": 4 * object_bytes + object_bytes // 2, "ttl_seconds": 2,
             "sweep_interval_seconds": 0.5}  # fmt: skip
     server = start_from_config(tmp_path, tier)
     try:
         with R3Client(server.url, MODEL, PROFILE) as r3:
-            first = tokens_for(302, 3 * CHUNK)
-            store_rows(r3, first, rows_for(302, 3 * CHUNK))
-            before = frozenset(wait_for_files(shm_root, 3))
-            second = tokens_for(303, 3 * CHUNK)
-            store_rows(r3, second, rows_for(303, 3 * CHUNK))
+            prompts = [(tokens_for(seed, 3 * CHUNK), rows_for(seed, 3 * CHUNK)) for seed in (302, 303)]
+            store_rows(r3, *prompts[0])
+            wait_for_files(shm_root, 3)
+            store_rows(r3, *prompts[1])
             deadline = time.monotonic() + 10
             while len(tier_files(shm_root)) > 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            held = tier_files(shm_root)
-            assert len(held) <= 4, "the tier holds more than its capacity"
-            assert before - held, "the oldest objects were meant to be evicted"
-            assert tier_status(server)["evictions"] >= 2
+            assert len(tier_files(shm_root)) <= 4, "the tier holds more than its capacity"
+            # Which objects go is the store's LRU (tests/unit/test_shm_store.py); LMCache may also skip or evict ahead
+            # of the store, as the tier reports its capacity to LMCache.
             clear_l1(server)
-            assert fetch_rows(r3, first)[0] < 3  # evicted objects are misses, never wrong bytes
+            served = 0
+            for tokens, rows in prompts:  # evicted objects are misses, never wrong bytes
+                hits, fetched = fetch_rows(r3, tokens)
+                served += hits
+                assert hits == 0 or np.array_equal(fetched, rows[: hits * CHUNK])
+            assert served <= 4
             deadline = time.monotonic() + 10
             while tier_files(shm_root) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not tier_files(shm_root), "objects older than ttl_seconds were meant to be swept"
             assert tier_status(server)["expired"] >= 1
-            assert fetch_rows(r3, second)[0] == 0
+            assert all(fetch_rows(r3, tokens)[0] == 0 for tokens, _ in prompts)
     finally:
         server.process.stop()
