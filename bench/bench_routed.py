@@ -58,7 +58,7 @@ def main():
                 llm = engines[routed]
                 server.clear_l1()
                 llm.reset_prefix_cache()
-                rollouts = demo.Rollouts(llm, server, 24)
+                rollouts = demo.Rollouts(llm, server, 64)
                 system = demo.words(96, seed=0)
                 history = {{c: system + demo.words(24 + 7 * c, seed=100 + c) for c in range(4)}}
                 spent = 0.0
@@ -163,7 +163,7 @@ def report(rounds: int, concurrent: int) -> str:
         f"{datetime.date.today()}.",
         "",
         "End to end, vLLM on CPU (tiny Qwen3-MoE, 2 layers, 8 experts, top-2): the demo's 4 conversations x 3 turns "
-        "(24 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
+        "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
         "the same connector with routed experts on and off, one engine each, both alive, rounds alternating between "
         "them; median of the rounds after a warm-up round each. Timed: the three generate calls of a round (not the "
         "wait for LMCache's stores to land before each prefix-cache reset). Goal: on / off <= 1.05.",
