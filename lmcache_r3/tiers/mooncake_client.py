@@ -2,7 +2,9 @@
 
 :class:`BoundedMooncakeClient` owns one ``MooncakeDistributedStore``. Every call runs on a small pool of daemon
 threads and is waited for at most ``call_timeout_seconds``; a call still running then is *abandoned*: the caller gets
-``TIMEOUT`` codes at once, and any staging buffer the call writes into stays the call's until it returns. Calls
+``TIMEOUT`` codes at once, and any staging buffer the call writes into stays the call's until it returns
+(:meth:`~BoundedMooncakeClient.submit` starts a call and :meth:`~BoundedMooncakeClient.wait` waits for it, so a caller
+can work while its call runs; the bound runs from the submit). Calls
 answer one integer code per key; a failed call answers ``n`` copies of ``UNAVAILABLE``, ``TIMEOUT`` or ``EXCEPTION``,
 never raises. :func:`describe` names Mooncake's codes and these.
 
@@ -31,6 +33,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,6 +78,17 @@ _BUFFER_ALIGN = 1 << 20
 def describe(code: int) -> str:
     """A code's name, e.g. ``describe(-704) == "OBJECT_NOT_FOUND(-704)"``."""
     return f"{_CODE_NAMES.get(code, 'OK' if code >= 0 else 'MOONCAKE_ERROR')}({code})"
+
+
+@dataclass
+class PendingCall:
+    """A call :meth:`BoundedMooncakeClient.submit` started (``future`` None: it answers ``UNAVAILABLE``)."""
+
+    what: str
+    n: int
+    future: Future | None
+    deadline: float
+    buf: np.ndarray | None
 
 
 class _DaemonPool:
@@ -181,13 +195,29 @@ class BoundedMooncakeClient:
         ``fn`` must not read variables the caller rebinds (bind them with ``functools.partial``): an abandoned call
         runs on after the caller moved on. It keeps ``buf`` until it returns; see :meth:`done_with`.
         """
+        return self.wait(self.submit(what, n, fn, buf))
+
+    def submit(
+        self, what: str, n: int, fn: Callable[[Any], Sequence[int]], buf: np.ndarray | None = None
+    ) -> PendingCall:
+        """Start ``fn(native_client)`` on an io thread (as :meth:`call` does) without waiting; :meth:`wait` answers.
+
+        The bound runs from here: :meth:`wait` abandons the call ``call_timeout_seconds`` after it was submitted.
+        """
         with self._lock:
             native = self._native if self._state == "up" else None
         if native is None or n == 0:
+            return PendingCall(what, n, None, 0.0, buf)
+        deadline = time.monotonic() + self.settings.call_timeout_seconds
+        return PendingCall(what, n, self._io.submit(lambda: fn(native)), deadline, buf)
+
+    def wait(self, pending: PendingCall) -> list[int]:
+        """The ``n`` codes of a submitted call, or ``n`` copies of a failure code, by its deadline."""
+        what, n, future, buf = pending.what, pending.n, pending.future, pending.buf
+        if future is None:
             return [UNAVAILABLE] * n
-        future = self._io.submit(lambda: fn(native))
         try:
-            codes = [int(code) for code in future.result(timeout=self.settings.call_timeout_seconds)]
+            codes = [int(code) for code in future.result(timeout=max(0.0, pending.deadline - time.monotonic()))]
         except FutureTimeout:
             if buf is not None:
                 future.add_done_callback(lambda _: self._release(buf))
@@ -202,6 +232,11 @@ class BoundedMooncakeClient:
         if RPC_FAIL in codes:
             self._fault(None, f"{what} got RPC_FAIL from the master", down=True)
         return codes
+
+    @property
+    def max_in_flight(self) -> int:
+        """How many calls one caller may keep submitted but not yet waited for (each on its own io thread)."""
+        return max(1, min(2, self.settings.num_io_threads))
 
     def acquire(self, nbytes: int) -> np.ndarray | None:
         """A registered staging buffer of at least ``nbytes``, or None while not ``up``."""
