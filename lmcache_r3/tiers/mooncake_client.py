@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -53,11 +54,12 @@ EXCEPTION = -10003
 CORRUPT = -10004
 SIZE_MISMATCH = -10005
 CANCELLED = -10006
+INVALID_PARAMS = -600
 
 _CODE_NAMES = {
     -1: "INTERNAL_ERROR",
     -200: "NO_AVAILABLE_HANDLE (no space left in any segment)",
-    -600: "INVALID_PARAMS",
+    INVALID_PARAMS: "INVALID_PARAMS",
     -703: "REPLICA_IS_NOT_READY",
     OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
     OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
@@ -92,31 +94,56 @@ class PendingCall:
 
 
 class _DaemonPool:
-    """Threads for calls that may block in native code: daemons, so a stuck call never holds up the exit."""
+    """Threads for calls that may block in native code: daemons, so a stuck call never holds up the exit.
+
+    A job goes to the thread that went idle last, so sequential calls keep running on one warm thread (Mooncake
+    transfers from a thread that has not transferred lately are markedly slower); the others take concurrent jobs.
+    """
 
     def __init__(self, size: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._size = size
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []  # a stack: the last thread to go idle is on top
+        self._backlog: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._closed = False
         for i in range(size):
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._idle.insert(0, jobs)
+            threading.Thread(target=self._work, args=(jobs,), name=f"{name}-{i}", daemon=True).start()
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
-        self._jobs.put((fn, future))
+        with self._lock:
+            worker = self._idle.pop() if self._idle and not self._closed else None
+            if worker is None:
+                self._backlog.append((fn, future))
+                return future
+        worker.put((fn, future))
         return future
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        job = jobs.get()
+        while job is not None:
             fn, future = job
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                 except BaseException as err:
                     future.set_exception(err)
+            with self._lock:
+                if self._closed:
+                    return
+                if self._backlog:
+                    job = self._backlog.popleft()
+                    continue
+                self._idle.append(jobs)
+            job = jobs.get()
 
     def shutdown(self) -> None:
-        for _ in range(self._size):
-            self._jobs.put(None)
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for jobs in idle:
+            jobs.put(None)
 
 
 class _StagingBuffers:

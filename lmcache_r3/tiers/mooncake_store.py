@@ -14,11 +14,13 @@ Negative codes are Mooncake's (``OBJECT_NOT_FOUND`` -704, ``RPC_FAIL`` -900, ...
 ``CANCELLED``); ``describe`` names them. Calls are bounded and the master may come and go: see that module.
 
 An object is the 32-byte header of :mod:`lmcache_r3.tiers.shm_store` (magic, version, payload length, XXH3-64 of the
-payload, XXH3-64 of the header) followed by the payload. A read asks ``get_size`` first (a missing or differently
-sized object costs no transfer), then ``batch_get_into`` into a registered staging buffer, then checks header and
-checksum before the payload reaches the caller; a corrupt object is counted as ``CORRUPT`` and removed. A write
-copies header and payload into a staging buffer and ``batch_put_from``s it. Batches are split so one call stages at
-most ``batch_bytes`` (a bigger object goes alone, in a buffer of its size): objects of any size round-trip, whatever
+payload, XXH3-64 of the header) followed by the payload. A read has ``batch_get_into`` put each object into a
+slot of a registered staging buffer exactly the size it expects (a smaller object reads short and a bigger one is
+refused: either is ``SIZE_MISMATCH``, never data), then checks header and checksum before the payload reaches the
+caller; a corrupt object is counted as ``CORRUPT`` and removed. A write copies header and payload into a staging
+buffer and hands it to ``batch_put_from``. Batches are split so one call stages at most ``batch_bytes`` (a bigger
+object goes alone, in a buffer of its size), and pipelined: while a call transfers, the batch before it is checked
+and copied out (read) or the batch after it is staged (write). Objects of any size round-trip, whatever
 the client's ``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls them).
 
 Example::
@@ -31,7 +33,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -42,12 +44,14 @@ import xxhash
 from lmcache_r3.tiers.mooncake_client import (
     CANCELLED,
     CORRUPT,
+    INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     OK,
     SIZE_MISMATCH,
     UNAVAILABLE,
     BoundedMooncakeClient,
+    PendingCall,
     describe,
 )
 from lmcache_r3.tiers.mooncake_config import MooncakeTierSettings
@@ -77,10 +81,14 @@ class MooncakeObjectStore:
     def put(self, keys: Sequence[str], payloads: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
         """Store each payload under its key; per key 0 (stored, or already there) or a negative code.
 
-        ``cancelled`` is asked before each payload is copied out of the caller's memory.
+        ``cancelled`` is asked before each payload is copied out of the caller's memory. Batches are pipelined: the
+        next batch is staged while the previous ones transfer.
         """
         codes = [CANCELLED] * len(keys)
+        in_flight: deque[tuple[PendingCall, np.ndarray, list[int], list[int]]] = deque()
         for group, total in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in payloads]):
+            if len(in_flight) >= self._client.max_in_flight:
+                self._put_done(*in_flight.popleft(), codes)
             buf = self._client.acquire(total)
             if buf is None:
                 codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
@@ -90,59 +98,89 @@ class MooncakeObjectStore:
                 if cancelled():
                     break
                 size = HEADER.size + payloads[i].nbytes
-                stored = memoryview(buf)[offset : offset + size]
-                stored[HEADER.size :] = payloads[i]
-                stored[: HEADER.size] = encode_header(
-                    payloads[i].nbytes, xxhash.xxh3_64_intdigest(stored[HEADER.size :])
-                )
+                seal_object(memoryview(buf)[offset : offset + size], payloads[i])
                 copied.append(i)
                 ptrs.append(buf.ctypes.data + offset)
                 sizes.append(size)
                 offset += size
             batch = [keys[i] for i in copied]
-            got = self._client.call("put", len(batch), partial(_write, keys=batch, ptrs=ptrs, sizes=sizes), buf)
-            self._client.done_with(buf, got)
-            for i, code, size in zip(copied, got, sizes, strict=True):
-                codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
-                self._add("bytes_written", size if codes[i] == OK else 0)
+            write = partial(_write, keys=batch, ptrs=ptrs, sizes=sizes)
+            in_flight.append((self._client.submit("put", len(batch), write, buf), buf, copied, sizes))
+            if len(copied) < len(group):
+                break
+        while in_flight:
+            self._put_done(*in_flight.popleft(), codes)
         self._count(codes, absent=None)
         return codes
+
+    def _put_done(
+        self, pending: PendingCall, buf: np.ndarray, copied: list[int], sizes: list[int], codes: list[int]
+    ) -> None:
+        got = self._client.wait(pending)
+        self._client.done_with(buf, got)
+        for i, code, size in zip(copied, got, sizes, strict=True):
+            codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
+            self._add("bytes_written", size if codes[i] == OK else 0)
 
     def get_into(self, keys: Sequence[str], views: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
         """Read each object into its view, which must be exactly the payload's size.
 
         Per key the payload length when read, checked and copied; else a negative code. ``cancelled`` is asked
-        before each copy into the caller's memory. Corrupt objects are removed.
+        before each batch is requested and before each copy into the caller's memory. Corrupt objects are removed.
+        Batches are pipelined: one batch is checked and copied while the next ones transfer.
         """
         codes = [CANCELLED] * len(keys)
         corrupt: list[str] = []
+        in_flight: deque[tuple[PendingCall, np.ndarray, list[int], list[int], list[int]]] = deque()
         for group, total in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
+            if len(in_flight) >= self._client.max_in_flight:
+                self._get_done(*in_flight.popleft(), keys, views, codes, corrupt, cancelled)
+            if cancelled():
+                break
             buf = self._client.acquire(total)
             if buf is None:
                 codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
                 continue
-            batch = [keys[i] for i in group]
             sizes = [HEADER.size + views[i].nbytes for i in group]
             offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-            read = partial(_read, keys=batch, buf=buf, offsets=offsets, sizes=sizes)
-            got = self._client.call("get", len(group), read, buf)
-            for i, code, offset, size in zip(group, got, offsets, sizes, strict=True):
-                if code != size:
-                    codes[i] = SIZE_MISMATCH if code >= 0 else code
-                    continue
-                payload = open_object(memoryview(buf)[offset : offset + size])
-                if payload is None:
-                    codes[i] = CORRUPT
-                    corrupt.append(keys[i])
-                elif not cancelled():
-                    views[i][:] = payload
-                    codes[i] = payload.nbytes
-                    self._add("bytes_read", size)
-            self._client.done_with(buf, got)
+            read = partial(_read, keys=[keys[i] for i in group], buf=buf, offsets=offsets, sizes=sizes)
+            in_flight.append((self._client.submit("get", len(group), read, buf), buf, group, offsets, sizes))
+        while in_flight:
+            self._get_done(*in_flight.popleft(), keys, views, codes, corrupt, cancelled)
         self._count(codes, absent=OBJECT_NOT_FOUND)
         if corrupt:
             self.remove(corrupt)
         return codes
+
+    def _get_done(
+        self,
+        pending: PendingCall,
+        buf: np.ndarray,
+        group: list[int],
+        offsets: list[int],
+        sizes: list[int],
+        keys: Sequence[str],
+        views: Sequence[memoryview],
+        codes: list[int],
+        corrupt: list[str],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        """Check the objects one read staged and copy the intact ones into the caller's views."""
+        got = self._client.wait(pending)
+        for i, code, offset, size in zip(group, got, offsets, sizes, strict=True):
+            if code != size:
+                # the buffer had exactly the expected size: a smaller object reads short, a bigger one is refused
+                codes[i] = SIZE_MISMATCH if code >= 0 or code == INVALID_PARAMS else code
+                continue
+            payload = open_object(memoryview(buf)[offset : offset + size])
+            if payload is None:
+                codes[i] = CORRUPT
+                corrupt.append(keys[i])
+            elif not cancelled():
+                _copy(views[i], payload)
+                codes[i] = payload.nbytes
+                self._add("bytes_read", size)
+        self._client.done_with(buf, got)
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each key (forced past read leases); per key 0 or a negative code (-704: already gone)."""
@@ -204,6 +242,21 @@ def batch_groups(limit: int, sizes: Sequence[int]) -> list[tuple[list[int], int]
     return groups
 
 
+def seal_object(into: memoryview, payload: memoryview) -> None:
+    """Write header + ``payload`` into ``into`` (exactly ``HEADER.size + payload.nbytes`` bytes)."""
+    stored = into[HEADER.size :]
+    _copy(stored, payload)
+    into[: HEADER.size] = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(stored))
+
+
+def _copy(into: memoryview, data: memoryview) -> None:
+    """``into[:] = data`` for equally long byte views, without holding the GIL for big ones."""
+    if data.nbytes < 1 << 16:
+        into[:] = data
+    else:
+        np.copyto(np.frombuffer(into, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
+
+
 def open_object(data: memoryview) -> memoryview | None:
     """The payload of a stored object (header + payload), or None when its header or checksum does not match."""
     header = decode_header(bytes(data[: HEADER.size]))
@@ -227,16 +280,5 @@ def _write(native: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> l
 
 
 def _read(native: Any, keys: list[str], buf: np.ndarray, offsets: list[int], sizes: list[int]) -> list[int]:
-    """``get_size`` each key, then ``batch_get_into`` those of the expected size; per key bytes read or a code."""
-    codes = [int(native.get_size(key)) for key in keys]
-    wanted = [i for i, (code, size) in enumerate(zip(codes, sizes, strict=True)) if code == size]
-    for i, code in enumerate(codes):
-        if code >= 0 and code != sizes[i]:
-            codes[i] = SIZE_MISMATCH
-    if wanted:
-        read = native.batch_get_into(
-            [keys[i] for i in wanted], [buf.ctypes.data + offsets[i] for i in wanted], [sizes[i] for i in wanted]
-        )
-        for i, code in zip(wanted, read, strict=True):
-            codes[i] = int(code)
-    return codes
+    """``batch_get_into`` each key into a slot of exactly its expected size; per key bytes read or a code."""
+    return native.batch_get_into(keys, [buf.ctypes.data + offset for offset in offsets], sizes)

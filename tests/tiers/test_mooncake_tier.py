@@ -388,6 +388,24 @@ def test_a_corrupted_object_in_mooncake_is_a_counted_miss_and_is_removed(adapter
     assert _lookup(adapter, 4) == 0
 
 
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_an_object_of_another_size_is_a_miss_and_never_reaches_l1(adapter, mooncake_store, delta):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    payload = os.urandom(4096)
+    assert _store(adapter, 6, payload)
+    name = mooncake_key(_key(6), adapter._prefix)
+    stored = bytes(mooncake_store.get(name))
+    resized = stored + b"x" if delta > 0 else stored[:-1]  # a bigger object is refused, a smaller one reads short
+    assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, resized) == 0
+
+    into = _Buffer(bytes(len(payload)))
+    assert _load(adapter, 6, into) == 0 and into.data == bytes(len(payload)), "a resized object reached L1"
+    errors = adapter.report_status()["errors_by_code"]
+    assert any(code.startswith("SIZE_MISMATCH") for code in errors), errors
+    mooncake_store.remove(name, True)
+
+
 def test_eviction_removes_an_object_from_mooncake_but_never_a_locked_one(adapter, mooncake_store):
     from lmcache_r3.tiers.mooncake_adapter import mooncake_key
 
@@ -408,7 +426,9 @@ def test_a_throwing_mooncake_client_turns_every_task_into_a_prompt_miss(adapter)
     payload = os.urandom(4096)
     assert _store(adapter, 1, payload)
     client = adapter._store._client
-    client._native = _FaultyClient(client._native, ("batch_is_exist", "get_size", "batch_put_from", "remove"), "raise")
+    client._native = _FaultyClient(
+        client._native, ("batch_is_exist", "batch_get_into", "batch_put_from", "remove"), "raise"
+    )
 
     (hits, took) = timed(lambda: _lookup(adapter, 1))
     assert hits == 0 and took < 1
