@@ -114,7 +114,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._failed_retrieves: list[tuple[str, list[int]]] = []
         self._unflushed_store_blocks: set[int] = set()
         # Routed experts (R3).
-        self.r3_profile = routed_experts_profile(vllm_config, bool(merged[ROUTED_EXPERTS_KEY]))
+        self.r3_profile = routed_experts_profile(
+            vllm_config, bool(merged[ROUTED_EXPERTS_KEY]), say_why=role == KVConnectorRole.SCHEDULER
+        )
         self._r3_group = mirrored_group(kv_cache_config)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
         self.routed: RoutedExpertsBook | None = None

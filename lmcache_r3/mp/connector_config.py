@@ -58,8 +58,11 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     return merged
 
 
-def routed_experts_profile(vllm_config: Any, enabled: bool) -> R3Profile | None:
+def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True) -> R3Profile | None:
     """The R3 row profile of the served model, or None when routed experts are off (a dense model, or asked off).
+
+    ``say_why`` logs the one line that says a dense model runs without routed experts (the scheduler role says it;
+    the worker roles stay quiet, so a deployment logs it once).
 
     Raises:
         ValueError: vLLM's own ``enable_return_routed_experts`` is on as well (two capturers on one router).
@@ -75,8 +78,9 @@ def routed_experts_profile(vllm_config: Any, enabled: bool) -> R3Profile | None:
     model_config = vllm_config.model_config
     num_experts = model_config.get_num_experts()
     if num_experts <= 0:
-        logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
-                    model_config.model)  # fmt: skip
+        if say_why:
+            logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
+                        model_config.model)  # fmt: skip
         return None
     return R3Profile(
         num_layers=model_config.get_total_num_hidden_layers(),
