@@ -343,6 +343,10 @@ class RoutedExpertsBook:
                 state = self._requests.get(request_id)
                 if state is not None:
                     self._write(state, step.start, step.rows)
+                    # vLLM has already taken back the tokens a speculative step rejected: rows of positions past
+                    # num_computed_tokens ran on rejected drafts and are dropped, never published or returned.
+                    if state.rows.present.end > state.request.num_computed_tokens:
+                        state.rows.truncate(state.request.num_computed_tokens)
                     self._dirty.add(request_id)
             self.counters.add("rows_computed", sum(step.rows.shape[0] for step in steps))
         for request_id in list(self._dirty):
