@@ -53,13 +53,13 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform.event_notifier import consume_fd
 
 from lmcache_r3.artifacts import R3Profile, encode_run, encoded_nbytes
-from lmcache_r3.launch import LOOPBACK, TELEMETRY_OFF, ManagedProcess, executable, exit_on_sigterm, free_port
+from lmcache_r3.launch import LOOPBACK, TELEMETRY_OFF, exit_on_sigterm
 from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
 from lmcache_r3.tiers.mooncake_config import settings_from_params
 from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for the tests' Mooncake helpers
-from tests.support.mooncake import MOONCAKE_ENV, MooncakeCluster  # noqa: E402
+from tests.support.mooncake import MOONCAKE_ENV, MooncakeCluster, start_mooncake  # noqa: E402
 
 SECTION = "## Storage tiers"
 CHUNK = 256
@@ -298,54 +298,6 @@ class MemcpyPath:
         self.held = None
 
 
-def start_cluster(workdir: Path, segment_mb: int) -> MooncakeCluster:
-    """A master and a holder on loopback, started as ``tests.support.mooncake.start_mooncake`` starts them but with
-    Mooncake's default read lease (10 s): under the tests' 200 ms a ``batch_get_into`` of a few tens of MiB can
-    outlive its lease on this machine and answer ``LEASE_EXPIRED``."""
-    rpc_port, metrics_port, holder_port = free_port(), free_port(), free_port()
-    master = ManagedProcess(
-        "mooncake_master",
-        [
-            executable("mooncake_master"),
-            f"--rpc_address={LOOPBACK}",
-            f"--rpc_port={rpc_port}",
-            f"--metrics_host={LOOPBACK}",
-            f"--metrics_port={metrics_port}",
-            "--rpc_thread_num=2",
-            "--logtostderr=1",
-        ],
-        workdir / "mooncake-master.log",
-        env=MOONCAKE_ENV,
-    )
-    holder = None
-    try:
-        probe = MooncakeCluster(master, master, rpc_port, metrics_port)
-        master.wait_ready(probe.healthy, 30, "answering /health")
-        holder = ManagedProcess(
-            "mooncake_client (holder)",
-            [
-                executable("mooncake_client"),
-                f"--host={LOOPBACK}",
-                f"--port={holder_port}",
-                f"--global_segment_size={segment_mb}MB",
-                "--local_buffer_size=0",
-                f"--master_server_address={LOOPBACK}:{rpc_port}",
-                "--metadata_server=P2PHANDSHAKE",
-                "--protocol=tcp",
-                "--logtostderr=1",
-            ],
-            workdir / "mooncake-holder.log",
-            env=MOONCAKE_ENV,
-        )
-        holder.wait_ready(lambda: probe.capacity_bytes() > 0, 30, "segment mounted")
-    except BaseException:
-        if holder is not None:
-            holder.stop()
-        master.stop()
-        raise
-    return MooncakeCluster(master, holder, rpc_port, metrics_port)
-
-
 # -- measuring ------------------------------------------------------------------------------------------------------
 @dataclass
 class Sample:
@@ -537,7 +489,9 @@ def main() -> int:
     kv_bytes = args.objects * 2 * KV_LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
     segment_mb = max(256, 3 * kv_bytes // 2**20 + 64)  # one tier batch + one raw batch + room below eviction
     workdir = Path(tempfile.mkdtemp(prefix="lmcache_r3-bench-tiers-"))
-    cluster = start_cluster(workdir, segment_mb)
+    # Mooncake's default read lease: under the tests' 200 ms, a batch_get_into of a few tens of MiB can outlive its
+    # lease on this machine and answer LEASE_EXPIRED.
+    cluster = start_mooncake(workdir, segment=f"{segment_mb}MB", lease_ms=None)
     results: dict[str, dict[str, Figures]] = {}
     kinds: list[Kind] = []
     try:

@@ -56,7 +56,12 @@ class MooncakeCluster:
         self.master.stop(timeout_s=10)
 
 
-def start_mooncake(workdir: Path, segment: str = "256MB", ready_timeout_s: float = 30.0) -> MooncakeCluster:
+def start_mooncake(
+    workdir: Path, segment: str = "256MB", ready_timeout_s: float = 30.0, lease_ms: int | None = 200
+) -> MooncakeCluster:
+    """A master and a separate holder on loopback. ``lease_ms``: the master's read lease (short, so tests can remove
+    objects right after reading them); None keeps Mooncake's default (10 s), which large reads on a loaded machine
+    need."""
     rpc_port, metrics_port, holder_port = free_port(), free_port(), free_port()
     master = ManagedProcess(
         "mooncake_master",
@@ -67,7 +72,7 @@ def start_mooncake(workdir: Path, segment: str = "256MB", ready_timeout_s: float
             f"--metrics_host={LOOPBACK}",
             f"--metrics_port={metrics_port}",
             "--rpc_thread_num=2",
-            "--default_kv_lease_ttl=200",
+            *([f"--default_kv_lease_ttl={lease_ms}"] if lease_ms is not None else []),
             "--logtostderr=1",
         ],
         workdir / "mooncake-master.log",
