@@ -192,7 +192,7 @@ def report(rounds: int, concurrent: int) -> str:
         "this shared 2-core machine a ratio within that spread of 1.0 is not a measurable difference.",
         "",
         "CPU time of the same rounds (both engines, their workers and the LMCache server, including the server's work "
-        "on the stores after the generate calls), less sensitive to scheduling noise:",
+        "on the stores after the generate calls):",
         "",
         "| routed experts | CPU seconds per round | median | on / off |",
         "| --- | --- | --- | --- |",
