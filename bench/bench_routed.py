@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Routed experts end to end"
 
 
-def engine_rounds(rounds: int, workdir: Path) -> dict[tuple[str, bool], list[float]]:
-    """Wall seconds of each round of the demo workload with routed experts off and on: two engines side by side,
-    rounds alternating between them, so load on the machine falls on both alike (a child process: vLLM needs a
+def engine_rounds(rounds: int, workdir: Path, blocks: int = 4) -> dict[tuple[str, bool], list[float]]:
+    """Wall and CPU seconds of each round of the demo workload with routed experts off and on, in ``blocks`` blocks
+    per setting alternating between the settings, one engine alive at a time (a child process: vLLM needs a
     ``__main__`` guard)."""
+    rounds_per_block = max(1, rounds // blocks)
     out = workdir / "rounds.json"
     code = f"""
 import json, os, time
@@ -57,35 +58,36 @@ def main():
     os.environ["LMCACHE_CONFIG_FILE"] = str(config)
     server = demo.start_config_server(config, workdir / "server.log")
     model = build_tiny_moe(SMALL, None)
-    engines = {{}}
+    times = {{False: [], True: []}}
+    cpu = {{False: [], True: []}}
     try:
-        for routed in (False, True):
-            transfer = dict(demo.CONNECTOR, kv_connector_extra_config={{"lmcache_r3.routed_experts": routed}})
-            engines[routed] = demo.make_llm(model, transfer)
-        times = {{False: [], True: []}}
-        cpu = {{False: [], True: []}}
-        for round_index in range({rounds + 1}):  # round 0 warms both engines up and is dropped
-            for routed in ((False, True) if round_index % 2 == 0 else (True, False)):
-                llm = engines[routed]
-                server.clear_l1()
-                llm.reset_prefix_cache()
-                rollouts = demo.Rollouts(llm, server, 64)
-                system = demo.words(96, seed=0)
-                history = {{c: system + demo.words(24 + 7 * c, seed=100 + c) for c in range(4)}}
-                spent, cpu_started = 0.0, cpu_seconds()
-                for turn in range(3):
-                    started = time.perf_counter()
-                    results = rollouts.generate({{str(c): h for c, h in history.items()}})
-                    spent += time.perf_counter() - started
-                    for c in history:
-                        history[c] = history[c] + results[str(c)][0] + demo.words(16, seed=1000 * turn + c)
-                    rollouts.reset_caches(lmcache_too=False)  # waits for the stores to land; not in the wall time
-                if round_index:
-                    times[routed].append(spent)
-                    cpu[routed].append(cpu_seconds() - cpu_started)
+        # One engine alive at a time (an idle engine's workers poll and take CPU from the running one): blocks of
+        # rounds, the engines alternating between blocks, the first round of every block dropped as warm-up.
+        for block in range({blocks}):
+            for routed in ((False, True) if block % 2 == 0 else (True, False)):
+                transfer = dict(demo.CONNECTOR, kv_connector_extra_config={{"lmcache_r3.routed_experts": routed}})
+                llm = demo.make_llm(model, transfer)
+                try:
+                    for round_index in range({rounds_per_block} + 1):
+                        server.clear_l1()
+                        llm.reset_prefix_cache()
+                        rollouts = demo.Rollouts(llm, server, 64)
+                        system = demo.words(96, seed=0)
+                        history = {{c: system + demo.words(24 + 7 * c, seed=100 + c) for c in range(4)}}
+                        spent, cpu_started = 0.0, cpu_seconds()
+                        for turn in range(3):
+                            started = time.perf_counter()
+                            results = rollouts.generate({{str(c): h for c, h in history.items()}})
+                            spent += time.perf_counter() - started
+                            for c in history:
+                                history[c] = history[c] + results[str(c)][0] + demo.words(16, seed=1000 * turn + c)
+                            rollouts.reset_caches(lmcache_too=False)  # waits for the stores; not in the wall time
+                        if round_index:
+                            times[routed].append(spent)
+                            cpu[routed].append(cpu_seconds() - cpu_started)
+                finally:
+                    llm.llm_engine.engine_core.shutdown()
     finally:
-        for llm in engines.values():
-            llm.llm_engine.engine_core.shutdown()
         server.process.stop()
     Path({str(out)!r}).write_text(json.dumps({{"wall": {{str(k): v for k, v in times.items()}},
                                                "cpu": {{str(k): v for k, v in cpu.items()}}}}))
@@ -179,8 +181,9 @@ def report(rounds: int, concurrent: int) -> str:
         "",
         "End to end, vLLM on CPU (tiny Qwen3-MoE, 2 layers, 8 experts, top-2): the demo's 4 conversations x 3 turns "
         "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
-        "the same connector with routed experts on and off, one engine each, both alive, rounds alternating between "
-        "them; median of the rounds after a warm-up round each. Timed: the three generate calls of a round (not the "
+        "the same connector with routed experts on and off; 4 blocks per setting, alternating between the settings, "
+        "one engine alive at a time, a fresh engine per block whose first round is dropped; median of the rounds. "
+        "Timed: the three generate calls of a round (not the "
         "wait for LMCache's stores to land before each prefix-cache reset). Goal: on / off <= 1.05.",
         "",
         "| routed experts | rounds (s) | median (s) | on / off |",
