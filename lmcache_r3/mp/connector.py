@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector as StockLMCacheMPConnector
@@ -126,6 +127,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._r3_layer: str | None = None
         self._r3_out: R3WorkerMetadata | None = None
         self._r3_collected = True
+        self.r3_seconds = 0.0
+        """Time this role spent on routed experts (capture mapping on a worker, bookkeeping on the scheduler)."""
+        self.r3_steps = 0
         self._r3_sends_rows = False
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
@@ -161,14 +165,18 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                 tracker.num_stored_tokens = tracker.num_vllm_hit_tokens = tracker.num_lmcache_hit_tokens = 0
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
             return 0, False
+        started = time.perf_counter()
         if self.routed is not None:
             self.routed.begin_lookup(request, num_computed_tokens)
+        self.r3_seconds += time.perf_counter() - started
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if result[0] is None:
             return result
         self._computed_at_lookup[request.request_id] = num_computed_tokens
         if self.routed is not None:
+            started = time.perf_counter()
             result = self._joint_hit(request, num_computed_tokens, result)
+            self.r3_seconds += time.perf_counter() - started
         return result
 
     def _joint_hit(self, request: Any, num_computed_tokens: int, result: tuple[int, bool]) -> tuple[int, bool]:
@@ -237,13 +245,18 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             for entry in metadata.requests:
                 if entry.direction == "STORE":
                     self.routed.on_store(entry.request_id, entry.op.start, entry.op.end)
+            started = time.perf_counter()
             metadata.r3_plans = self.routed.on_schedule(scheduler_output, self._r3_group)
+            self.r3_seconds += time.perf_counter() - started
         return metadata
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         if self.routed is not None:
+            started = time.perf_counter()
             self.routed.on_worker_output(connector_output.kv_connector_worker_meta)
+            self.r3_seconds += time.perf_counter() - started
+            self.r3_steps += 1
 
     def _flush_before_block_reuse(self, scheduler_output: Any, metadata: LMCacheMPConnectorMetadata) -> None:
         """Have the worker wait for in-flight stores before this step writes a block one of them still reads.
@@ -423,6 +436,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self._forget(request.request_id)  # a preempted request starts over with a fresh tracker
         return tracker
 
+    def shutdown(self) -> None:
+        if self.r3_profile is not None and self.r3_steps:
+            logger.info("lmcache_r3: routed experts took %.3f s of the %s role over %d steps (%.3f ms a step)",
+                        self.r3_seconds, self.role.name.lower(), self.r3_steps,
+                        1e3 * self.r3_seconds / self.r3_steps)  # fmt: skip
+        super().shutdown()
+
     # ==============================================================================================
     # Worker side
     # ==============================================================================================
@@ -472,7 +492,10 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._r3_collected = True
         plans = getattr(self._get_connector_metadata(), "r3_plans", None)
         if self.r3_profile is not None and plans and self._r3_sends_rows:
+            started = time.perf_counter()
             self._r3_out = self._collect_routed_experts(plans)
+            self.r3_seconds += time.perf_counter() - started
+            self.r3_steps += 1
 
     def _collect_routed_experts(self, plans: dict[str, Any]) -> R3WorkerMetadata:
         out = R3WorkerMetadata()
