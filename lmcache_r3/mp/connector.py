@@ -30,7 +30,6 @@ server address and timeouts; explicit ``lmcache.mp.*`` entries win.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -44,6 +43,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_r3.artifacts import TokenRange
+from lmcache_r3.counters import Counters
 from lmcache_r3.mp import capture, planning, stock_fit
 from lmcache_r3.mp.connector_config import (
     R3_TIMEOUT_KEY,
@@ -64,25 +64,17 @@ logger = logging.getLogger(__name__)
 NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
 
 
-class ConnectorCounters:
-    """What the fixes did, for logs and tests (scheduler and worker roles each keep their own)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, int] = {
-            "partial_admissions": 0,
-            "zero_admissions": 0,
-            "locks_released_early_chunks": 0,
-            "retrieves": 0,
-            "retrieves_failed_closed": 0,
-            "stores_trimmed_at_null_block": 0,
-            "null_block_ops_refused": 0,
-            "store_flushes_before_block_reuse": 0,
-        }
-
-    def add(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self.values[name] += value
+CONNECTOR_COUNTERS = (
+    "partial_admissions",
+    "zero_admissions",
+    "locks_released_early_chunks",
+    "retrieves",
+    "retrieves_failed_closed",
+    "stores_trimmed_at_null_block",
+    "null_block_ops_refused",
+    "store_flushes_before_block_reuse",
+)
+"""What the fixes did, for logs and tests (scheduler and worker roles each keep their own)."""
 
 
 class LMCacheMPConnector(StockLMCacheMPConnector):
@@ -103,7 +95,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._kv_cache_config_for_r3 = kv_cache_config
         if self.lazy_offload and len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
             raise ValueError("lmcache.mp.lazy_offload is not supported with hybrid models by lmcache_r3; remove it")
-        self.counters = ConnectorCounters()
+        self.counters = Counters(*CONNECTOR_COUNTERS)
         self._group_windows = group_windows(kv_cache_config) or [-1] * len(self._group_tokens_per_block)
         self._recurrent = has_recurrent_group(kv_cache_config)
         self._separate_object_groups = bool(merged[SEPARATE_GROUPS_KEY])

@@ -21,7 +21,6 @@ a request whose rows are incomplete carries ``routed_experts_error`` instead.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from lmcache_r3.artifacts import (
     decode_run,
     encode_run,
 )
+from lmcache_r3.counters import Counters
 from lmcache_r3.mp.r3_client import R3Call, R3Client, R3TimeoutError
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata, StepRows
 from lmcache_r3.output import (
@@ -52,28 +52,20 @@ from lmcache_r3.output import (
 logger = logging.getLogger(__name__)
 
 
-class R3Counters:
-    """What the routed-experts bookkeeping did (tests, logs, benchmarks)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, int] = {
-            "fetches": 0,
-            "fetch_failures": 0,
-            "r3_hit_chunks": 0,
-            "joint_hits_shrunk": 0,
-            "rows_from_lmcache": 0,
-            "rows_from_prefix_cache": 0,
-            "rows_computed": 0,
-            "chunks_published": 0,
-            "store_failures": 0,
-            "requests_completed": 0,
-            "requests_incomplete": 0,
-        }
-
-    def add(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self.values[name] += value
+R3_COUNTERS = (
+    "fetches",
+    "fetch_failures",
+    "r3_hit_chunks",
+    "joint_hits_shrunk",
+    "rows_from_lmcache",
+    "rows_from_prefix_cache",
+    "rows_computed",
+    "chunks_published",
+    "store_failures",
+    "requests_completed",
+    "requests_incomplete",
+)
+"""What the routed-experts bookkeeping did (tests, logs, benchmarks)."""
 
 
 @dataclass
@@ -126,7 +118,7 @@ class RoutedExpertsBook:
         self.mirror = SlotMirror(profile, num_blocks, block_size)
         self.client = client
         self.fetch_timeout_s = fetch_timeout_s
-        self.counters = R3Counters()
+        self.counters = Counters(*R3_COUNTERS)
         self._requests: dict[str, _RequestState] = {}
         self._finishing: dict[str, _Finishing] = {}
         self._siblings: dict[str, dict[str, str]] = {}

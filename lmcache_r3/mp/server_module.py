@@ -30,6 +30,7 @@ from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, Obje
 from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext, server_module_handler
 
 from lmcache_r3.artifacts import FORMAT_VERSION, R3Profile, decode_run, encoded_nbytes
+from lmcache_r3.counters import Counters
 from lmcache_r3.mp import protocol
 
 logger = init_logger(__name__)
@@ -48,36 +49,20 @@ def build_server_modules(ctx: ExtServerModuleBuildContext) -> R3ServerModule:
     return R3ServerModule(ctx.server_context, ctx.config or {})
 
 
-class R3Counters:
-    """Monotonic counters for ``/status``; updated under one lock from the server's worker threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, int] = {
-            name: 0
-            for name in (
-                "store_calls",
-                "stored_chunks",
-                "store_skipped_chunks",
-                "refused_requests",
-                "lookup_calls",
-                "lookup_hit_chunks",
-                "fetch_calls",
-                "fetched_chunks",
-                "damaged_objects",
-                "deleted_chunks",
-                "prefetch_timeouts",
-            )
-        }
-
-    def add(self, **increments: int) -> None:
-        with self._lock:
-            for name, value in increments.items():
-                self.values[name] += value
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.values)
+SERVER_COUNTERS = (
+    "store_calls",
+    "stored_chunks",
+    "store_skipped_chunks",
+    "refused_requests",
+    "lookup_calls",
+    "lookup_hit_chunks",
+    "fetch_calls",
+    "fetched_chunks",
+    "damaged_objects",
+    "deleted_chunks",
+    "prefetch_timeouts",
+)
+"""Monotonic counters the R3 module reports in ``/status``; updated from the server's worker threads."""
 
 
 class R3ServerModule:
@@ -92,7 +77,7 @@ class R3ServerModule:
         self.prefetch_timeout_s = float(config.get("prefetch_timeout_s", 10.0))
         if not self.namespace or "@" in self.namespace:
             raise ValueError(f"lmcache_r3 server module: namespace {self.namespace!r} must be non-empty, without '@'")
-        self.counters = R3Counters()
+        self.counters = Counters(*SERVER_COUNTERS)
         logger.info("lmcache_r3 R3 chunk type loaded: namespace=%r chunk_size=%d", self.namespace, self._ctx.chunk_size)
 
     # -- EngineModule ---------------------------------------------------------------------------------------
@@ -155,7 +140,7 @@ class R3ServerModule:
                     _object_bytes(obj, object_nbytes)[:] = source[index * object_nbytes : (index + 1) * object_nbytes]
             storage.finish_write_by_owner(storage.prepare_write_completion(reserved))
         skipped = len(keys) - len(reserved)
-        self.counters.add(store_calls=1, stored_chunks=len(reserved), store_skipped_chunks=skipped)
+        self.counters.update(store_calls=1, stored_chunks=len(reserved), store_skipped_chunks=skipped)
         return protocol.encode(
             protocol.StoreResponse(num_chunks=len(keys), num_stored=len(reserved), num_present=skipped)
         )
@@ -164,14 +149,14 @@ class R3ServerModule:
     def lookup(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.LookupRequest)
         hit, _ = self._read_leading(request.range, self._profile(request.profile), keep_bytes=False)
-        self.counters.add(lookup_calls=1, lookup_hit_chunks=hit)
+        self.counters.update(lookup_calls=1, lookup_hit_chunks=hit)
         return protocol.encode(protocol.LookupResponse(num_hit_chunks=hit))
 
     @server_module_handler(protocol.METHOD_FETCH)
     def fetch(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.FetchRequest)
         hit, objects = self._read_leading(request.range, self._profile(request.profile), keep_bytes=True)
-        self.counters.add(fetch_calls=1, fetched_chunks=hit)
+        self.counters.update(fetch_calls=1, fetched_chunks=hit)
         return protocol.encode(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
 
     @server_module_handler(protocol.METHOD_DELETE)
@@ -179,12 +164,12 @@ class R3ServerModule:
         request = self._decode(payload, protocol.DeleteRequest)
         keys = self._keys(request.range)
         deleted, locked = self._ctx.storage_manager.delete_l1_keys(keys) if keys else (0, 0)
-        self.counters.add(deleted_chunks=deleted)
+        self.counters.update(deleted_chunks=deleted)
         return protocol.encode(protocol.DeleteResponse(num_deleted=deleted, num_locked=locked))
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _refuse(self, message: str) -> None:
-        self.counters.add(refused_requests=1)
+        self.counters.update(refused_requests=1)
         raise R3RequestError(message)
 
     def _decode(self, payload: bytes, kind: type[msgspec.Struct]):
@@ -284,7 +269,7 @@ class R3ServerModule:
     def _drop_damaged(self, key: ObjectKey) -> None:
         """Remove a damaged object from L1 and from every L2 tier, so no later lookup finds it."""
         storage = self._ctx.storage_manager
-        self.counters.add(damaged_objects=1)
+        self.counters.update(damaged_objects=1)
         storage.delete_l1_keys([key])
         for descriptor, adapter in storage.l2_adapters():
             try:
@@ -298,7 +283,7 @@ class R3ServerModule:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.counters.add(prefetch_timeouts=1)
+                self.counters.update(prefetch_timeouts=1)
                 _release_when_done(storage, handle, keys)
                 logger.warning("lmcache_r3: prefetch of %d R3 objects timed out; answering a miss", len(keys))
                 return None

@@ -1,4 +1,5 @@
-"""Waiting for an L2 adapter's task the way LMCache's controllers do: on the task kind's event fd."""
+"""Driving an L2 adapter's tasks in a test: caller-owned buffers, object keys, and waiting the way LMCache's
+controllers do (on the task kind's event fd)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,21 @@ def completed(fd: int, query, timeout_s: float = 5.0):
         if poller.poll(int(remaining * 1000)):
             os.read(fd, 8)
     return result
+
+
+class CallerBuffer:
+    """A stand-in for an L1 MemoryObj: ``byte_array`` is a view of caller-owned memory."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = bytearray(data)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.data)
+
+
+def object_key(i: int, model_name: str):
+    """LMCache's ObjectKey for test object ``i`` (a 32-byte chunk hash of ``i``)."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=model_name, kv_rank=0, object_group_id=0)

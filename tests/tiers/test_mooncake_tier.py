@@ -20,7 +20,7 @@ from lmcache_r3.launch import LOOPBACK, ManagedProcess, ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import r3_server_module_spec
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
-from tests.support.l2_tasks import completed
+from tests.support.l2_tasks import CallerBuffer, completed, object_key
 from tests.support.mooncake import MOONCAKE_ENV, start_mooncake
 from tests.support.processes import REGISTRY
 
@@ -299,17 +299,6 @@ def test_a_server_with_a_missing_mooncake_setting_refuses_to_start_naming_the_ke
 
 
 # -- a Mooncake client that throws or stalls ------------------------------------------------------------------------
-class _Buffer:
-    """A stand-in for an L1 MemoryObj: ``byte_array`` is a view of caller-owned memory."""
-
-    def __init__(self, data: bytes | bytearray) -> None:
-        self.data = bytearray(data)
-
-    @property
-    def byte_array(self) -> memoryview:
-        return memoryview(self.data)
-
-
 class _FaultyClient:
     """The real Mooncake client, except that the named methods raise or block until released."""
 
@@ -332,9 +321,7 @@ class _FaultyClient:
 
 
 def _key(i: int):
-    from lmcache.v1.distributed.api import ObjectKey
-
-    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=MODEL, kv_rank=0, object_group_id=0)
+    return object_key(i, MODEL)
 
 
 @pytest.fixture
@@ -351,7 +338,7 @@ def adapter(mooncake_cluster, monkeypatch):
 
 
 def _store(adapter, i: int, payload: bytes) -> bool:
-    task = adapter.submit_store_task([_key(i)], [_Buffer(payload)])
+    task = adapter.submit_store_task([_key(i)], [CallerBuffer(payload)])
     return completed(
         adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
     ).is_successful()
@@ -364,7 +351,7 @@ def _lookup(adapter, i: int) -> int:
     return hits.popcount()
 
 
-def _load(adapter, i: int, into: _Buffer) -> int:
+def _load(adapter, i: int, into: CallerBuffer) -> int:
     task = adapter.submit_load_task([_key(i)], [into])
     return completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
 
@@ -380,7 +367,7 @@ def test_a_corrupted_object_in_mooncake_is_a_counted_miss_and_is_removed(adapter
     stored[-1] ^= 0x01  # one payload bit flips while the object sits in Mooncake
     assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, bytes(stored)) == 0
 
-    into = _Buffer(bytes(len(payload)))
+    into = CallerBuffer(bytes(len(payload)))
     assert _load(adapter, 4, into) == 0 and into.data == bytes(len(payload)), "a corrupt object reached L1"
     status = adapter.report_status()
     assert status["corrupt"] == 1 and status["objects"] == 0
@@ -399,7 +386,7 @@ def test_an_object_of_another_size_is_a_miss_and_never_reaches_l1(adapter, moonc
     resized = stored + b"x" if delta > 0 else stored[:-1]  # a bigger object is refused, a smaller one reads short
     assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, resized) == 0
 
-    into = _Buffer(bytes(len(payload)))
+    into = CallerBuffer(bytes(len(payload)))
     assert _load(adapter, 6, into) == 0 and into.data == bytes(len(payload)), "a resized object reached L1"
     errors = adapter.report_status()["errors_by_code"]
     assert any(code.startswith("SIZE_MISMATCH") for code in errors), errors
@@ -432,7 +419,7 @@ def test_a_throwing_mooncake_client_turns_every_task_into_a_prompt_miss(adapter)
 
     (hits, took) = timed(lambda: _lookup(adapter, 1))
     assert hits == 0 and took < 1
-    into = _Buffer(bytes(len(payload)))
+    into = CallerBuffer(bytes(len(payload)))
     assert _load(adapter, 1, into) == 0 and into.data == bytes(len(payload)), "a failed load wrote into L1"
     assert not _store(adapter, 2, os.urandom(64))
     adapter.delete([_key(1)])  # must not raise: a raising delete kills LMCache's eviction thread
@@ -451,7 +438,7 @@ def test_a_stalled_mooncake_call_is_abandoned_within_its_bound_and_never_writes_
     client = adapter._store._client
     faulty = _FaultyClient(client._native, ("batch_is_exist", "batch_get_into"), "stall")
     client._native = faulty
-    into = _Buffer(bytes(len(payload)))
+    into = CallerBuffer(bytes(len(payload)))
     try:
         (loaded, took) = timed(lambda: _load(adapter, 3, into))
         assert loaded == 0 and took < 2, f"a stalled load took {took:.1f} s"

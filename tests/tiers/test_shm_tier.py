@@ -18,6 +18,7 @@ from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import r3_server_module_spec
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
+from tests.support.l2_tasks import CallerBuffer, object_key
 
 pytestmark = pytest.mark.server
 
@@ -188,21 +189,8 @@ def test_a_symlinked_root_is_refused_at_start_up_with_the_reason(lmcache_server_
 
 
 # -- the adapter contract without a server: every task completes and signals, even when the store fails -----------
-class _Buffer:
-    """A stand-in for an L1 MemoryObj: ``byte_array`` is a view of caller-owned memory."""
-
-    def __init__(self, data: bytes | bytearray) -> None:
-        self.data = bytearray(data)
-
-    @property
-    def byte_array(self) -> memoryview:
-        return memoryview(self.data)
-
-
 def _key(i: int):
-    from lmcache.v1.distributed.api import ObjectKey
-
-    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name="tiny-moe", kv_rank=0, object_group_id=0)
+    return object_key(i, "tiny-moe")
 
 
 def _signalled(fd: int, timeout_s: float) -> bool:
@@ -228,13 +216,13 @@ def test_a_throwing_store_still_completes_every_task_and_delete_never_raises(ada
 
     for name in ("put", "get_into", "exists", "delete"):
         monkeypatch.setattr(adapter._store, name, boom)
-    store = adapter.submit_store_task([_key(1)], [_Buffer(b"x" * 64)])
+    store = adapter.submit_store_task([_key(1)], [CallerBuffer(b"x" * 64)])
     assert _signalled(adapter.get_store_event_fd(), 2)
     assert not adapter.pop_completed_store_tasks()[store].is_successful()
     lookup = adapter.submit_lookup_and_lock_task([_key(1)], {})
     assert _signalled(adapter.get_lookup_and_lock_event_fd(), 2)
     assert adapter.query_lookup_and_lock_result(lookup).popcount() == 0
-    load = adapter.submit_load_task([_key(1)], [_Buffer(bytes(64))])
+    load = adapter.submit_load_task([_key(1)], [CallerBuffer(bytes(64))])
     assert _signalled(adapter.get_load_event_fd(), 2)
     assert adapter.query_load_result(load).popcount() == 0
     adapter.delete([_key(1)])  # must not raise: a raising delete kills LMCache's eviction thread
@@ -246,7 +234,7 @@ def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapte
 
     release = threading.Event()
     monkeypatch.setattr(adapter._store, "get_into", lambda key, buf: release.wait(5) and None)
-    load = adapter.submit_load_task([_key(2)], [_Buffer(bytes(64))])
+    load = adapter.submit_load_task([_key(2)], [CallerBuffer(bytes(64))])
     assert _signalled(adapter.get_load_event_fd(), 3), "a stalled task was never completed"
     assert adapter.query_load_result(load).popcount() == 0
     status = adapter.report_status()
