@@ -30,7 +30,7 @@ from benchdocs import DOCS, write_section
 from lmcache_r3.artifacts import (
     GatherNarrowError,
     R3Profile,
-    RequestRows,
+    SlotMirror,
     cuda_available,
     decode_chunk,
     decode_run,
@@ -142,40 +142,47 @@ def fresh_memcpy_seconds(src: np.ndarray, repeats: int) -> float:
 
 
 def materialize_rows(quick: bool) -> list[str]:
-    """Assemble a 32k-token R3 from 256-token chunks and materialize it, against one memcpy of the result."""
+    """A finished 32k-token request's rows, read from the slot mirror through its block table, against one memcpy.
+
+    The request holds 2048 blocks of 16 scattered over a pool of 8192 (as a running engine leaves them); its rows
+    were written there step by step (computed) or from decoded chunks (an LMCache hit).
+    """
     rng = np.random.default_rng(1)
     repeats = 5 if quick else 11
+    block = 16
     rows = rng.integers(0, PROFILE.num_experts, (REQUEST_TOKENS, *PROFILE.row_shape)).astype(PROFILE.dtype)
     run = encode_run(PROFILE, 0, rows, CHUNK_TOKENS)
-    decoded = decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks
+    blocks = rng.permutation(4 * REQUEST_TOKENS // block)[: REQUEST_TOKENS // block]
+    mirror = SlotMirror(PROFILE, num_blocks=4 * REQUEST_TOKENS // block, block_size=block)
+    slots = mirror.slots_for(blocks, 0, REQUEST_TOKENS)
+    mirror.write(slots, rows)
+    assert np.array_equal(mirror.read(blocks, 0, REQUEST_TOKENS), rows)
 
-    def assemble(chunks: list, capacity: int = 0) -> np.ndarray:
-        request = RequestRows(PROFILE, CHUNK_TOKENS, capacity_tokens=capacity)
-        for chunk in chunks:
-            request.write(chunk.token_start, chunk.rows)
-        return request.materialize(REQUEST_TOKENS + 1)
+    def hit_then_read() -> np.ndarray:
+        """An LMCache hit: decode the run (checksums verified), write it at the slots, read the request back."""
+        decoded = decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks
+        mirror.write(slots, np.concatenate([chunk.rows for chunk in decoded]))
+        return mirror.read(blocks, 0, REQUEST_TOKENS)
 
-    assert np.array_equal(assemble(decoded), rows)
+    decode_steps = [(slots[i : i + 4], rows[i : i + 4]) for i in range(0, 4096, 4)]
+
+    def decode_steps_then_read() -> np.ndarray:
+        """1024 decode steps of 4 requests queued (one per step), then applied and read by one read."""
+        for step_slots, step_rows in decode_steps:
+            mirror.queue(step_slots, step_rows)
+        return mirror.read(blocks, 0, REQUEST_TOKENS)
+
     warm = np.empty_like(rows)
     memcpy = median_seconds(lambda: np.copyto(warm, rows), 3, repeats)
-    fresh = fresh_memcpy_seconds(rows, repeats)
     cases = [
-        ("one memcpy of the result into fresh memory (page faults included)", fresh),
-        (
-            f"write {len(decoded)} decoded chunks + materialize, `capacity_tokens` given",
-            median_seconds(lambda: assemble(decoded, REQUEST_TOKENS), 3, repeats),
-        ),
-        (
-            f"write {len(decoded)} decoded chunks + materialize, storage grown by doubling",
-            median_seconds(lambda: assemble(decoded), 3, repeats),
-        ),
-        (
-            "`decode_run` (checksums verified) + write + materialize, `capacity_tokens` given",
-            median_seconds(
-                lambda: assemble(decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks, REQUEST_TOKENS), 3, repeats
-            ),
-        ),
-    ]
+        ("one memcpy of the result into fresh memory (page faults included)", fresh_memcpy_seconds(rows, repeats)),
+        ("read the request's rows from the mirror (2048 scattered blocks)",
+         median_seconds(lambda: mirror.read(blocks, 0, REQUEST_TOKENS), 3, repeats)),
+        ("LMCache hit: `decode_run` (checksums verified) + write at the slots + read",
+         median_seconds(hit_then_read, 3, repeats)),
+        ("1024 four-request decode steps queued, then applied + read",
+         median_seconds(decode_steps_then_read, 3, repeats)),
+    ]  # fmt: skip
     lines = [
         f"| one memcpy of the result ({rows.nbytes >> 20} MiB) into a warm array | {memcpy * 1e3:.2f} ms | 1.00x |"
     ]
@@ -211,8 +218,8 @@ def report(quick: bool) -> str:
         "| --- | --- | --- | --- | --- |",
         *codec_rows(quick),
         "",
-        f"Materialize a {REQUEST_TOKENS // 1024}k-token R3 from {CHUNK_TOKENS}-token chunks, goal within 3x of one "
-        "memcpy of the result.",
+        f"Materialize a finished {REQUEST_TOKENS // 1024}k-token request's R3 from the slot mirror, goal within 3x of "
+        "one memcpy of the result.",
         "",
         "| case | time | vs memcpy |",
         "| --- | --- | --- |",
@@ -300,34 +307,29 @@ def gpu_check() -> int:
 
 
 def _gpu_check_worker_step(rng: np.random.Generator) -> int:
-    """One worker step of 8192 tokens from 256 requests: rows located, gathered and narrowed on the device, against
-    copying the whole int32 capture buffer to the host and doing the same with numpy (the path without the kernel)."""
+    """One worker step of 8192 tokens (16 of them padding, as under CUDA graphs): real rows gathered and narrowed on
+    the device, against copying the whole int32 capture buffer to the host and narrowing with numpy (the path
+    without the kernel)."""
     import cupy
 
-    from lmcache_r3.mp.step_rows import StepRows, collect_step_rows
+    from lmcache_r3.mp.step_rows import narrow_step
 
-    block, plans, slots = 16, {}, []
-    for i in range(256):
-        start = int(rng.integers(0, 4000))
-        first, last = start // block, (start + 32 - 1) // block + 1
-        plans[f"r{i}"] = StepRows(start, 32, first, tuple(range(1 + 8 * i, 1 + 8 * i + last - first)))
-        slots.append(plans[f"r{i}"].slots(block))
-    order = rng.permutation(8192)
-    mapping = np.concatenate(slots)[order]
+    mapping = rng.permutation(8 * 8192)[:8192].astype(np.int64)
+    mapping[-16:] = -1
     host = rng.integers(0, PROFILE.num_experts, (8192, *PROFILE.row_shape), dtype=np.int32)
     device = cupy.asarray(host)
-    on_device, _ = collect_step_rows(mapping, device, plans, block, PROFILE)
-    on_host, _ = collect_step_rows(mapping, host, plans, block, PROFILE)
-    same = all(np.array_equal(on_device[r].rows, on_host[r].rows) for r in plans)
-    print(f"{'OK' if same else 'MISMATCH':8s} worker step on the device equals the host path (256 requests)")
+    device_slots, on_device = narrow_step(mapping, device, PROFILE)
+    host_slots, on_host = narrow_step(mapping, host, PROFILE)
+    same = np.array_equal(on_device, on_host) and np.array_equal(device_slots, host_slots)
+    print(f"{'OK' if same else 'MISMATCH':8s} worker step on the device equals the host path (8176 real tokens)")
     if not same:
         return 1
 
     def device_step() -> None:
-        collect_step_rows(mapping, device, plans, block, PROFILE)
+        narrow_step(mapping, device, PROFILE)
 
     def host_step() -> None:
-        collect_step_rows(mapping, cupy.asnumpy(device), plans, block, PROFILE)
+        narrow_step(mapping, cupy.asnumpy(device), PROFILE)
 
     device_s, host_s = (median_seconds(f, 20, 7) for f in (device_step, host_step))
     print(f"worker step, 8192 tokens x {PROFILE.num_layers}x{PROFILE.top_k}: kernel path {device_s * 1e3:.2f} ms, "

@@ -7,19 +7,11 @@ numpy, msgspec and xxhash only), so every rule about R3 bytes lives here and is 
 * :mod:`.profile`  - row shape and dtype of one model, and its stable profile id;
 * :mod:`.codec`    - one self-describing, checksummed chunk object per token range; strict decode;
 * :mod:`.runs`     - consecutive chunks as one byte string (a store message, a fetch response);
-* :mod:`.assembly` - one request's rows by position: overwrite, reject gaps, materialize, publish chunks;
-* :mod:`.slots`    - rows beside each physical KV slot, for vLLM's own prefix-cache hits;
+* :mod:`.slots`    - rows beside each physical KV slot: where the scheduler keeps every request's rows;
+* :mod:`.ranges`   - half-open token ranges;
 * :mod:`.gather`   - capture buffer -> a request's narrowed rows (CUDA kernel on GPU, numpy on CPU).
 """
 
-from lmcache_r3.artifacts.assembly import (
-    MissingRowsError,
-    R3AssemblyError,
-    RequestRows,
-    RowGapError,
-    TokenRange,
-    missing_ranges,
-)
 from lmcache_r3.artifacts.codec import (
     HEADER_NBYTES,
     BadMagicError,
@@ -49,6 +41,7 @@ from lmcache_r3.artifacts.gather import (
     narrow_rows,
 )
 from lmcache_r3.artifacts.profile import FORMAT_VERSION, R3Profile, dtype_for_num_experts
+from lmcache_r3.artifacts.ranges import TokenRange
 from lmcache_r3.artifacts.runs import RunDecode, decode_run, encode_run
 from lmcache_r3.artifacts.slots import SlotMirror, SlotMirrorError
 
@@ -59,17 +52,13 @@ __all__ = [
     "GatherNarrowError",
     "HeaderChecksumError",
     "HeaderSizeError",
-    "MissingRowsError",
     "PayloadChecksumError",
     "PayloadLengthError",
     "ProfileMismatchError",
-    "R3AssemblyError",
     "R3Chunk",
     "R3ChunkHeader",
     "R3CodecError",
     "R3Profile",
-    "RequestRows",
-    "RowGapError",
     "RunDecode",
     "SlotMirror",
     "SlotMirrorError",
@@ -88,7 +77,6 @@ __all__ = [
     "encoded_nbytes",
     "gather_narrow",
     "gather_narrow_reference",
-    "missing_ranges",
     "narrow_rows",
     "read_header",
 ]

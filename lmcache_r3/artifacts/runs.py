@@ -55,7 +55,7 @@ def encode_run(profile: R3Profile, token_start: int, rows: np.ndarray, chunk_siz
     Args:
         profile: the row profile; ``rows`` must be in its dtype.
         token_start: position of ``rows[0]``, normally a multiple of ``chunk_size``.
-        rows: ``[n * chunk_size, num_layers, top_k]`` (e.g. ``RequestRows.rows(start, end)``).
+        rows: ``[n * chunk_size, num_layers, top_k]`` (e.g. a request's rows read from the slot mirror).
         chunk_size: tokens per chunk object.
 
     Returns:

@@ -16,7 +16,10 @@ Two rules make a read exact:
 For example, with ``block_size=16`` a request holding blocks ``[7, 3]`` reads positions ``[0, 20)`` from slots
 ``112..127`` then ``48..51``.
 
-All operations are vectorized (one numpy gather or scatter per call). The mirror is sized to the KV pool:
+All operations are vectorized (one numpy gather or scatter per call). A step's rows can also be *queued*
+(:meth:`SlotMirror.queue`, a list append): queued rows are applied in order before the next write, read or
+forget, and at least every ``max_queued_rows`` rows, so the many decode steps between two reads cost one
+scatter instead of one each, and no read ever sees the mirror without them. The mirror is sized to the KV pool:
 ``num_blocks * block_size * bytes_per_token`` bytes, allocated zeroed so the OS commits pages only when
 written. A slot never written reads as an error, not as zeros.
 """
@@ -52,6 +55,10 @@ class SlotMirror:
         self.num_slots = num_blocks * block_size
         self._rows = np.zeros((self.num_slots, *profile.row_shape), dtype=profile.dtype)
         self._written = np.zeros(self.num_slots, dtype=bool)
+        self._queued: list[tuple[np.ndarray, np.ndarray]] = []
+        self._queued_rows = 0
+        self.max_queued_rows = 8192
+        """Queued rows past this are applied at once (bounds the memory the queue holds)."""
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +76,40 @@ class SlotMirror:
         Raises:
             SlotMirrorError: length mismatch, wrong dtype or shape, or a slot id past the pool.
         """
+        self._apply_queued()
+        self._scatter(self._checked(slot_ids, rows), rows)
+
+    def queue(self, slot_ids: np.ndarray, rows: np.ndarray) -> None:
+        """Like :meth:`write`, applied before the next write, read or forget (see the module docstring).
+
+        The arrays are kept, not copied: the caller must not change them afterwards.
+
+        Raises:
+            SlotMirrorError: as :meth:`write` (a slot id past the pool when the queue is applied).
+        """
+        slots = self._checked(slot_ids, rows)
+        self._queued.append((slots, rows))
+        self._queued_rows += slots.shape[0]
+        if self._queued_rows >= self.max_queued_rows:
+            self._apply_queued()
+
+    def _apply_queued(self) -> None:
+        if not self._queued:
+            return
+        queued, self._queued, self._queued_rows = self._queued, [], 0
+        if len(queued) == 1:
+            slots, rows = queued[0]
+        else:
+            slots = np.concatenate([slots for slots, _ in queued])
+            rows = np.concatenate([rows for _, rows in queued])
+            # A slot written by two steps (a recomputed position) keeps the newer row: numpy does not say which
+            # of two equal indices of one scatter wins, so only the last occurrence of each slot is scattered.
+            _, last_from_end = np.unique(slots[::-1], return_index=True)
+            newest = slots.shape[0] - 1 - last_from_end
+            slots, rows = slots[newest], rows[newest]
+        self._scatter(slots, rows)
+
+    def _checked(self, slot_ids: np.ndarray | Sequence[int], rows: np.ndarray) -> np.ndarray:
         slots = np.asarray(slot_ids)
         if slots.ndim != 1 or slots.dtype.kind not in "iu":
             raise SlotMirrorError(f"slot_ids must be a 1-D integer array, got {slots.dtype} of shape {slots.shape}")
@@ -83,6 +124,9 @@ class SlotMirror:
                 f"({self.num_blocks} blocks x {self.block_size}); "
                 f"the mirror must be built from the same KV cache config as the engine"
             )
+        return slots
+
+    def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
         real = slots >= 0
         if not real.all():
             slots, rows = slots[real], rows[real]
@@ -95,6 +139,12 @@ class SlotMirror:
         Raises:
             SlotMirrorError: negative or inverted range, a block table too short, or an invalid block id.
         """
+        blocks = self._table(block_ids, start, end)
+        positions = np.arange(start, end, dtype=np.int64)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _table(self, block_ids: np.ndarray | Sequence[int], start: int, end: int) -> np.ndarray:
+        """``block_ids`` as int64, checked to cover ``[start, end)`` with blocks of the pool."""
         blocks = np.asarray(block_ids, dtype=np.int64)
         if type(start) is not int or type(end) is not int or not 0 <= start <= end:
             raise SlotMirrorError(f"positions must satisfy 0 <= start <= end, got [{start!r}, {end!r})")
@@ -103,12 +153,11 @@ class SlotMirror:
                 f"block table of {blocks.size} blocks x {self.block_size} covers "
                 f"{blocks.size * self.block_size} positions, fewer than the {end} needed for [{start}, {end})"
             )
-        positions = np.arange(start, end, dtype=np.int64)
-        table = blocks[positions // self.block_size]
-        if table.size and (table.min() < 0 or table.max() >= self.num_blocks):
-            bad = table[(table < 0) | (table >= self.num_blocks)][0]
+        used = blocks[start // self.block_size : -(-end // self.block_size)]
+        if used.size and (used.min() < 0 or used.max() >= self.num_blocks):
+            bad = used[(used < 0) | (used >= self.num_blocks)][0]
             raise SlotMirrorError(f"block id {int(bad)} is outside the pool of {self.num_blocks} blocks")
-        return table * self.block_size + positions % self.block_size
+        return blocks
 
     def read(self, block_ids: np.ndarray | Sequence[int], start: int, end: int) -> np.ndarray:
         """Rows of positions ``[start, end)`` of a request that holds the blocks ``block_ids``.
@@ -125,19 +174,27 @@ class SlotMirror:
             SlotMirrorError: invalid positions or blocks, or a slot that was never written (its KV did not
                 come through a path that also wrote its row).
         """
-        slots = self.slots_for(block_ids, start, end)
-        written = self._written[slots]
+        self._apply_queued()
+        size = self.block_size
+        first_block = start // size
+        table = self._table(block_ids, start, end)[first_block : -(-end // size)]
+        # Whole blocks are gathered (a block's slots are contiguous), then the range is cut out of them.
+        cut = slice(start - first_block * size, end - first_block * size)
+        written = self._written.reshape(self.num_blocks, size)[table].reshape(-1)[cut]
         if not written.all():
             first = int(np.argmin(written))
+            block = int(table[(start + first) // size - first_block])
             raise SlotMirrorError(
                 f"no R3 row was written for position {start + first} "
-                f"(block {int(slots[first]) // self.block_size}, slot {int(slots[first])}); "
+                f"(block {block}, slot {block * size + (start + first) % size}); "
                 f"every KV write into a slot must also write its row to the mirror"
             )
-        return self._rows[slots]
+        rows = self._rows.reshape(self.num_blocks, size, *self.profile.row_shape)[table]
+        return rows.reshape(-1, *self.profile.row_shape)[cut]
 
     def forget_blocks(self, block_ids: np.ndarray | Sequence[int]) -> None:
         """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
+        self._apply_queued()
         blocks = np.asarray(block_ids, dtype=np.int64)
         if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
             raise SlotMirrorError(f"block ids must be in [0, {self.num_blocks}), got {blocks.tolist()}")

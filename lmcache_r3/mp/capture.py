@@ -3,9 +3,8 @@
 vLLM registers every MoE layer's runner in ``compilation_config.static_forward_context``; vLLM's own
 ``bind_routed_experts_capturer`` hooks their routers, so the connector captures without the model object. The
 capture buffer holds one int32 row per token of the step, in the runner's batch order, which is also the order
-of the attention ``slot_mapping``. The scheduler sends, per request, the positions it computes and their slots
-(:class:`~lmcache_r3.mp.r3_messages.StepRows`); :func:`locate_rows` inverts the slot mapping to find each
-position's row, whatever the batch order. Rows are then gathered and narrowed (CUDA kernel on GPU, numpy on CPU).
+of the attention ``slot_mapping``; :func:`narrow_step` sends them to the scheduler as they are, beside their
+slots, narrowed (CUDA kernel on GPU, numpy on CPU).
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from lmcache_r3.mp.step_rows import collect_step_rows, locate_rows
+from lmcache_r3.mp.step_rows import StepRowsError, narrow_step
 
-__all__ = ["CaptureError", "RouterCapture", "collect_step_rows", "find_moe_runners", "locate_rows"]
+__all__ = ["CaptureError", "RouterCapture", "StepRowsError", "find_moe_runners", "narrow_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,15 @@ class RouterCapture:
         )
         bind_routed_experts_capturer(torch.nn.ModuleList(runners), self.capturer)
         self.num_layers_bound = len(runners)
+        buffer = self.capturer.device_buffer
+        self._host_buffer = buffer.numpy() if buffer.device.type == "cpu" else None
+        """On CPU, a numpy view of the capture buffer (same memory): read without a torch call per step."""
 
     def begin_step(self) -> None:
         self.capturer.calls = 0
 
     def step_rows(self, slot_mapping: Any) -> tuple[np.ndarray, Any]:
-        """``(slot_mapping, captured)`` of the step that just ran.
+        """``(slot_mapping, capture buffer)`` of the step that just ran (row ``i`` of the buffer: token ``i``).
 
         Raises:
             CaptureError: tokens ran but no router reported its choice (capture is not hooked in).
@@ -93,18 +96,14 @@ class RouterCapture:
                 "a step ran tokens through the model but no MoE router reported its routing: capture is not "
                 "hooked into the forward pass (on CPU this happens under torch.compile; use --enforce-eager)"
             )
-        num_rows = int(slot_mapping.shape[0])
-        captured = self.capturer.device_buffer[:num_rows]
         mapping = slot_mapping.cpu().numpy() if hasattr(slot_mapping, "cpu") else np.asarray(slot_mapping)
-        if captured.device.type == "cpu":
-            return mapping, captured.numpy()
-        return mapping, captured  # the CUDA kernel reads it in place (__cuda_array_interface__)
+        if self._host_buffer is not None:
+            return mapping, self._host_buffer
+        return mapping, self.capturer.device_buffer  # the CUDA kernel reads it in place (__cuda_array_interface__)
 
 
 def forward_slot_mapping(layer_name: str) -> Any | None:
     """The slot mapping of ``layer_name`` in the current forward context, or None outside one."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
     if not is_forward_context_available():
         return None
     context = get_forward_context()

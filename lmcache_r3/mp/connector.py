@@ -42,7 +42,7 @@ from lmcache.integration.vllm.lmcache_mp_metadata import (
 from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from lmcache_r3.artifacts import TokenRange
+from lmcache_r3.artifacts import GatherNarrowError, TokenRange
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import capture, planning, stock_fit
 from lmcache_r3.mp.connector_config import (
@@ -223,7 +223,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         tracker.state = LMCacheMPRequestState.WAITING_FOR_LOAD
         self._admissions[request_id] = admission
         if self.routed is not None:
-            self.routed.admitted(request_id, num_external_tokens)
+            self.routed.admitted(request_id, computed, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
         metadata = super().build_connector_meta(scheduler_output)
@@ -232,13 +232,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._failed_retrieves = []
         if self._recurrent:
             self._flush_before_block_reuse(scheduler_output, metadata)
-        metadata.r3_plans = {}
+        metadata.r3_step = None
         if self.routed is not None:
+            started = time.perf_counter()
             for entry in metadata.requests:
                 if entry.direction == "STORE":
                     self.routed.on_store(entry.request_id, entry.op.start, entry.op.end)
-            started = time.perf_counter()
-            metadata.r3_plans = self.routed.on_schedule(scheduler_output, self._r3_group)
+            metadata.r3_step = self.routed.on_schedule(scheduler_output, self._r3_group)
             self.r3_seconds += time.perf_counter() - started
         return metadata
 
@@ -482,15 +482,16 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if self._r3_collected or not self.has_connector_metadata():
             return
         self._r3_collected = True
-        plans = getattr(self._get_connector_metadata(), "r3_plans", None)
-        if self.r3_profile is not None and plans and self._r3_sends_rows:
+        step = getattr(self._get_connector_metadata(), "r3_step", None)
+        if self.r3_profile is not None and step is not None and self._r3_sends_rows:
             started = time.perf_counter()
-            self._r3_out = self._collect_routed_experts(plans)
+            self._r3_out = self._collect_routed_experts(step)
             self.r3_seconds += time.perf_counter() - started
             self.r3_steps += 1
 
-    def _collect_routed_experts(self, plans: dict[str, Any]) -> R3WorkerMetadata:
-        out = R3WorkerMetadata()
+    def _collect_routed_experts(self, step: int) -> R3WorkerMetadata:
+        """The step's rows beside their KV slots; any failure becomes the step's ``capture_error``, never rows."""
+        out = R3WorkerMetadata(step=step)
         try:
             if self.r3_step_source is not None:
                 slot_mapping, captured = self.r3_step_source()
@@ -504,13 +505,12 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                     "the model config names MoE experts but vLLM registered no MoE layer to capture from; "
                     'set "lmcache_r3.routed_experts": false to serve it without routed experts'
                 )
-            out.rows, unmapped = capture.collect_step_rows(
-                slot_mapping, captured, plans, self._r3_block_size, self.r3_profile
-            )
-            out.unmapped_requests = tuple(unmapped)
-        except capture.CaptureError as error:
+            out.slots, out.rows = capture.narrow_step(slot_mapping, captured, self.r3_profile)
+        except (capture.CaptureError, capture.StepRowsError, GatherNarrowError) as error:
             out.capture_error = str(error)
-            out.unmapped_requests = tuple(plans)
+        except Exception as error:  # a bug must cost this step's routing, never the engine
+            logger.exception("lmcache_r3: mapping the routed experts of step %d failed", step)
+            out.capture_error = f"{type(error).__name__}: {error}"
         return out
 
     def build_connector_worker_meta(self) -> Any:

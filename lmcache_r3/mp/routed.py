@@ -1,21 +1,25 @@
 """Scheduler side of routed experts: every request's rows, from wherever its KV came from.
 
-Per request, rows are assembled by logical position (:class:`~lmcache_r3.artifacts.RequestRows`) from three
-sources, the same three its KV comes from:
+The scheduler keeps one R3 row per physical KV slot (:class:`~lmcache_r3.artifacts.SlotMirror`): the row of the
+computation that last wrote the slot's KV or, for KV loaded from LMCache, the row LMCache returned with it. A
+request's rows are read through its block table, and only while it holds those blocks (vLLM never reuses a held
+block), so they are the routing of exactly the KV the request attends to, whichever of three sources it came from:
 
-* **vLLM's prefix cache**: rows of the blocks it hit are read from the slot mirror, which holds the rows of the
-  computation that last wrote each KV slot. A block being computed in this very step (a sibling request's) is
-  read once its rows arrive.
-* **LMCache**: the R3 objects of the chunks it hit are fetched in parallel with the KV lookup; the external hit
-  is the *joint* hit, ``min(KV, R3)``; the admitted rows are written into the assembly and into the mirror at
-  the slots the KV is loaded into.
-* **Computed**: each step's rows from the worker.
+* **computed**: every step, the worker sends the step's rows beside the KV slots its tokens wrote
+  (:class:`~lmcache_r3.mp.r3_messages.R3WorkerMetadata`): one mirror write a step, whatever the batch;
+* **vLLM's prefix cache**: the slots of the blocks it hit hold the rows of the request that computed them (one
+  computing them in the same step writes them before anything reads them);
+* **LMCache**: the R3 objects of the chunks it hit are fetched in parallel with the KV lookup; the external hit is
+  the *joint* hit, ``min(KV, R3)``; the admitted rows are written at the slots the KV is loaded into.
 
-R3 chunks are stored under the KV chunk keys for every chunk whose KV the connector stores, once the chunk's rows
-are complete. When a request finishes, its rows ``[0, num_tokens - 1)`` go into the ``kv_transfer_params`` dict
-returned by ``request_finished``; vLLM calls that before the last step's rows arrive, so the dict is completed in
-``update_connector_output`` of the same engine step, before the output leaves the engine. Rows are never guessed:
-a request whose rows are incomplete carries ``routed_experts_error`` instead.
+Every block handed out for computing or loading is marked unwritten first, so a slot read before its row came is
+an error, never another request's row. Rows are read only when needed. R3 chunks are stored under the KV chunk
+keys once the step that computes the last token of a stored KV range has reported its rows. When a request
+finishes, its rows ``[0, num_tokens - 1)`` go into the ``kv_transfer_params`` dict returned by ``request_finished``;
+vLLM calls that before the last step's rows arrive, so the dict is completed in ``update_connector_output`` of the
+same engine step, before the output leaves the engine (the blocks were freed in between, but nothing is allocated
+before the next schedule). Rows are never guessed: a request whose rows are incomplete carries
+``routed_experts_error`` instead.
 """
 
 from __future__ import annotations
@@ -28,19 +32,15 @@ from typing import Any
 import numpy as np
 
 from lmcache_r3.artifacts import (
-    R3AssemblyError,
-    R3CodecError,
     R3Profile,
-    RequestRows,
     SlotMirror,
     SlotMirrorError,
-    TokenRange,
     decode_run,
     encode_run,
 )
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp.r3_client import R3Call, R3Client, R3TimeoutError
-from lmcache_r3.mp.r3_messages import R3WorkerMetadata, StepRows
+from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.output import (
     ROUTED_EXPERTS_ERROR_KEY,
     ROUTED_EXPERTS_KEY,
@@ -77,21 +77,20 @@ class _PendingFetch:
 @dataclass
 class _RequestState:
     request: Any
-    rows: RequestRows
     fetch: _PendingFetch | None = None
     fetched: tuple[int, np.ndarray] | None = None
     """``(start, rows)`` of the R3 chunks LMCache returned for the current lookup."""
-    admitted_external: int = 0
-    local_pending: list[tuple[TokenRange, tuple[int, ...]]] = field(default_factory=list)
-    """Prefix-cache ranges whose rows are not in the mirror yet (their blocks are computed in this step)."""
+    admitted: tuple[int, int] = (0, 0)
+    """``(local hit, external tokens)`` of the latest admission from LMCache, until the request (re)starts."""
     blocks: list[int] = field(default_factory=list)
-    """The request's blocks in the mirrored group."""
+    """The request's block table in the mirrored group: where its rows are read."""
     served: tuple[int, int] = (0, 0)
     """Tokens of the latest (re)start served by vLLM's prefix cache and by LMCache, with their rows."""
     store_start: int | None = None
     kv_store_end: int = 0
     published_end: int = 0
     incomplete: str | None = None
+    """Why this request's rows cannot be complete (sticky: its output then carries the reason, never rows)."""
 
 
 @dataclass
@@ -123,8 +122,13 @@ class RoutedExpertsBook:
         self._finishing: dict[str, _Finishing] = {}
         self._siblings: dict[str, dict[str, str]] = {}
         self._stores: list[tuple[str, R3Call]] = []
-        self._dirty: set[str] = set()
-        """Requests whose rows, pending reads or store window changed: the ones to resolve and publish."""
+        self._next_step = 0
+        self._in_flight: dict[int, Any] = {}
+        """Per step sent to the worker for capture, its ``num_scheduled_tokens`` (the requests it computes)."""
+        self._reported = -1
+        """The latest step whose rows the worker reported: rows of every earlier step are in the mirror too."""
+        self._publish_due: dict[str, int] = {}
+        """Per request with KV stored past its published R3, the step after whose report the rows are there."""
         self.retry_after_s = 10.0
         self._quiet_until = 0.0
 
@@ -152,17 +156,19 @@ class RoutedExpertsBook:
     def _state(self, request: Any) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            capacity = request.num_prompt_tokens + min(request.max_tokens or 0, 256)  # grows by doubling past it
-            state = _RequestState(request, RequestRows(self.profile, self.chunk_size, capacity_tokens=capacity))
-            self._requests[request.request_id] = state
+            state = self._requests[request.request_id] = _RequestState(request)
         return state
 
     def begin_lookup(self, request: Any, num_computed_tokens: int) -> None:
-        """Start fetching R3 of the chunks past the local hit, beside LMCache's KV lookup (once per lookup)."""
+        """Start fetching R3 of the chunks past the local hit, beside LMCache's KV lookup.
+
+        Once per lookup: vLLM asks again every step while LMCache's KV lookup is pending, and the pending fetch
+        serves unless the local hit shrank below where it starts (a waiting request's cached blocks were evicted).
+        """
         state = self._state(request)
-        if state.fetch is not None:
-            return
         start = num_computed_tokens - num_computed_tokens % self.chunk_size
+        if state.fetch is not None and state.fetch.start <= start:
+            return
         tokens = request.all_token_ids
         end = len(tokens) - len(tokens) % self.chunk_size
         call = None
@@ -209,105 +215,96 @@ class RoutedExpertsBook:
         state.fetch = None
         state.fetched = None
 
-    def admitted(self, request_id: str, num_external_tokens: int) -> None:
-        """The scheduler admitted ``num_external_tokens`` from LMCache past the local hit."""
+    def admitted(self, request_id: str, num_local_tokens: int, num_external_tokens: int) -> None:
+        """The scheduler admitted ``num_external_tokens`` from LMCache past a local hit of ``num_local_tokens``."""
         state = self._requests.get(request_id)
         if state is not None:
-            state.admitted_external = num_external_tokens
+            state.admitted = (num_local_tokens, num_external_tokens)
 
     # -- scheduling --------------------------------------------------------------------------------------------
-    def on_schedule(self, scheduler_output: Any, group: int) -> dict[str, StepRows]:
-        """Account for this step's allocations and return what the worker must capture, per request.
+    def on_schedule(self, scheduler_output: Any, group: int) -> int | None:
+        """Account for this step's block allocations; the step number the worker captures, or None.
 
         Args:
             scheduler_output: the step's ``SchedulerOutput`` (built before vLLM advances ``num_computed_tokens``).
             group: the KV cache group whose blocks key the slot mirror.
+
+        Returns:
+            The step's number, for ``r3_step`` in the connector metadata; None when no request with routed experts
+            computes anything in it.
         """
+        step = self._next_step
+        self._next_step += 1
         fresh: list[int] = []
         starting: list[tuple[_RequestState, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
+            if state is not None:
+                state.blocks = list(new.block_ids[group])
+                starting.append((state, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, new_ids in enumerate(cached.new_block_ids):
+            if not new_ids:  # most steps: no request got a block
+                continue
+            request_id = cached.req_ids[index]
+            state = self._requests.get(request_id)
             if state is None:
                 continue
-            state.blocks = list(new.block_ids[group])
-            fresh += state.blocks[self._hit_blocks(new.num_computed_tokens) :]
-            starting.append((state, new.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for index, request_id in enumerate(cached.req_ids):
-            state = self._requests.get(request_id)
-            new_ids = cached.new_block_ids[index]
-            if state is None or not new_ids:
-                continue
             if request_id in cached.resumed_req_ids:  # preempted and back: its whole block table is new
-                computed = cached.num_computed_tokens[index]
                 state.blocks = list(new_ids[group])
-                fresh += state.blocks[self._hit_blocks(computed) :]
-                starting.append((state, computed))
+                starting.append((state, cached.num_computed_tokens[index]))
             else:
                 fresh += new_ids[group]
                 state.blocks += new_ids[group]
+        restarts = [(state, computed, self._local_hit(state, computed)) for state, computed in starting]
+        for state, _, local_end in restarts:
+            # Blocks past vLLM's own hit are computed or loaded from LMCache: none holds a valid row yet.
+            fresh += state.blocks[self._hit_blocks(local_end) :]
         if fresh:
-            # A block handed out for computing holds no valid rows until its writer's rows arrive.
             self.mirror.forget_blocks(fresh)
-        for state, computed in starting:
-            self._restore_rows(state, computed)
-        plans: dict[str, StepRows] = {}
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            state = self._requests.get(request_id)
-            if state is None:
-                continue
-            start = state.request.num_computed_tokens
-            first = start // self.block_size
-            last = (start + num_tokens - 1) // self.block_size + 1
-            plans[request_id] = StepRows(start, num_tokens, first, tuple(state.blocks[first:last]))
-        return plans
+        for state, computed, local_end in restarts:
+            self._restore_rows(state, computed, local_end)
+        if not scheduler_output.num_scheduled_tokens or not self._requests:
+            return None
+        self._in_flight[step] = scheduler_output.num_scheduled_tokens
+        return step
 
-    def _hit_blocks(self, num_computed_tokens: int) -> int:
-        """Blocks that hold already-computed tokens (a partly filled last block counts: its slots are written)."""
-        return -(-num_computed_tokens // self.block_size)
+    def _hit_blocks(self, num_hit_tokens: int) -> int:
+        """Blocks holding tokens of vLLM's own hit (a partly filled last block counts: its slots are written)."""
+        return -(-num_hit_tokens // self.block_size)
 
-    def _restore_rows(self, state: _RequestState, computed: int) -> None:
-        """Rows of a (re)starting request's first ``computed`` tokens: prefix cache, then LMCache."""
-        external = state.admitted_external if state.fetched is not None else 0
-        state.admitted_external = 0
-        local = TokenRange(0, computed - external)
-        state.served = (local.end, external)
-        blocks = tuple(state.blocks)
-        state.local_pending = [(local, blocks)] if local.end > 0 else []
-        if external:
-            fetched_start, fetched = state.fetched
-            ext = TokenRange(local.end, computed)
-            rows = fetched[ext.start - fetched_start : ext.end - fetched_start]
-            if ext.start < fetched_start or rows.shape[0] != ext.end - ext.start:
-                state.incomplete = f"LMCache returned R3 for fewer tokens than the {ext} admitted"
-            else:
-                self._write(state, ext.start, rows)
-                self.mirror.write(self.mirror.slots_for(blocks, ext.start, ext.end), rows)
-                self.counters.add("rows_from_lmcache", rows.shape[0])
-        state.fetched = None
-        self._read_local(state)
-        self._dirty.add(state.request.request_id)
+    @staticmethod
+    def _local_hit(state: _RequestState, computed: int) -> int:
+        """Where vLLM's own hit ends for a request (re)starting with ``computed`` tokens; LMCache's follow it.
 
-    def _read_local(self, state: _RequestState) -> None:
-        still = []
-        for tokens, blocks in state.local_pending:
-            try:
-                rows = self.mirror.read(blocks, tokens.start, tokens.end)
-            except SlotMirrorError:
-                still.append((tokens, blocks))
-                continue
-            self._write(state, tokens.start, rows)
-            self.counters.add("rows_from_prefix_cache", rows.shape[0])
-        state.local_pending = still
+        A load that failed (in part) restarts the request with fewer computed tokens than admitted.
+        """
+        local, external = state.admitted
+        return min(local, computed) if external else computed
 
-    def _write(self, state: _RequestState, start: int, rows: np.ndarray) -> None:
-        try:
-            state.rows.write(start, rows)
-        except R3AssemblyError as error:
-            state.incomplete = str(error)
+    def _restore_rows(self, state: _RequestState, computed: int, local_end: int) -> None:
+        """A (re)starting request's first ``computed`` tokens: vLLM's hit, then LMCache's rows into the mirror."""
+        admitted_external = state.admitted[1]
+        state.admitted = (0, 0)
+        fetched, state.fetched = state.fetched, None
+        external = computed - local_end
+        state.served = (local_end, external)
+        self.counters.add("rows_from_prefix_cache", local_end)
+        if not external:
+            return
+        rows = None
+        if fetched is not None and external <= admitted_external and local_end >= fetched[0]:
+            rows = fetched[1][local_end - fetched[0] : computed - fetched[0]]
+        if rows is None or rows.shape[0] != external:
+            # Never read these slots as if vLLM had computed them: their blocks were forgotten above.
+            state.incomplete = f"LMCache served the KV of [{local_end}, {computed}) without the R3 of those tokens"
+            return
+        self.mirror.write(self.mirror.slots_for(state.blocks, local_end, computed), rows)
+        self.counters.add("rows_from_lmcache", external)
 
     def on_store(self, request_id: str, start: int, end: int) -> None:
-        """The connector stores the KV of ``[start, end)``: its R3 follows once the rows are complete."""
+        """The connector stores the KV of ``[start, end)`` in the step being built: its R3 follows once the step's
+        rows are in."""
         state = self._requests.get(request_id)
         if state is None:
             return
@@ -315,69 +312,78 @@ class RoutedExpertsBook:
             state.store_start = start - start % self.chunk_size
             state.published_end = max(state.published_end, state.store_start)
         state.kv_store_end = max(state.kv_store_end, end)
-        self._dirty.add(request_id)
+        self._publish_due[request_id] = self._next_step
 
     # -- step results ------------------------------------------------------------------------------------------
     def on_worker_output(self, worker_meta: Any) -> None:
-        """Write a step's rows, resolve prefix-cache reads, publish complete chunks, complete finished requests."""
-        if isinstance(worker_meta, R3WorkerMetadata):
-            if worker_meta.capture_error:
-                logger.error("lmcache_r3: routed experts not captured: %s", worker_meta.capture_error)
-            for request_id in worker_meta.unmapped_requests:
-                state = self._requests.get(request_id)
-                if state is not None:
-                    state.incomplete = "the routing of a step could not be mapped to this request's positions"
-            steps = list(worker_meta.rows.values())
-            if steps:  # one mirror write for the whole step
-                self.mirror.write(np.concatenate([step.slots for step in steps]),
-                                  np.concatenate([step.rows for step in steps]))  # fmt: skip
-            for request_id, step in worker_meta.rows.items():
-                state = self._requests.get(request_id)
-                if state is not None:
-                    self._write(state, step.start, step.rows)
-                    # vLLM has already taken back the tokens a speculative step rejected: rows of positions past
-                    # num_computed_tokens ran on rejected drafts and are dropped, never published or returned.
-                    if state.rows.present.end > state.request.num_computed_tokens:
-                        state.rows.truncate(state.request.num_computed_tokens)
-                    self._dirty.add(request_id)
-            self.counters.add("rows_computed", sum(step.rows.shape[0] for step in steps))
-        for request_id in list(self._dirty):
+        """Write a step's rows into the mirror, publish the R3 chunks now complete, complete finished requests."""
+        if isinstance(worker_meta, R3WorkerMetadata) and worker_meta.step is not None:
+            self._take_step(worker_meta)
+        if self._publish_due:
+            for request_id, due in list(self._publish_due.items()):
+                if due <= self._reported:
+                    del self._publish_due[request_id]
+                    state = self._requests.get(request_id)
+                    if state is not None:
+                        self._publish(state)
+        if self._finishing:
+            self._finish()
+        if self._stores:
+            self._reap_stores()
+
+    def _take_step(self, meta: R3WorkerMetadata) -> None:
+        for lost in [step for step in self._in_flight if step < meta.step]:
+            self._refuse_step(lost, f"the routing of engine step {lost} never arrived from the worker")
+        if meta.capture_error:
+            logger.error("lmcache_r3: routed experts not captured: %s", meta.capture_error)
+            self._refuse_step(meta.step, f"the routing of engine step {meta.step} was not captured")
+        else:
+            self._in_flight.pop(meta.step, None)
+            if meta.rows is not None and meta.rows.shape[0]:
+                self.mirror.queue(meta.slots, meta.rows)  # applied before anything reads or forgets a slot
+                self.counters.add("rows_computed", meta.rows.shape[0])
+        self._reported = max(self._reported, meta.step)
+
+    def _refuse_step(self, step: int, reason: str) -> None:
+        """A step's rows are missing: its requests' routing is incomplete, and so is that of their blocks."""
+        scheduled = self._in_flight.pop(step, None) or {}
+        blocks: set[int] = set()
+        for request_id in scheduled:
             state = self._requests.get(request_id)
             if state is not None:
-                if state.local_pending:
-                    self._read_local(state)
-                self._publish(state)
-        self._dirty = {request_id for request_id in self._dirty if self._needs_another_look(request_id)}
-        self._finish()
-        self._reap_stores()
-
-    def _needs_another_look(self, request_id: str) -> bool:
-        """Rows still to read from the mirror: look again after the next step's rows arrive."""
-        state = self._requests.get(request_id)
-        return state is not None and bool(state.local_pending)
+                state.incomplete = reason
+                blocks.update(state.blocks)
+        if blocks:
+            # Their KV was (re)computed without a row: no later prefix hit may read an older row there.
+            self.mirror.forget_blocks(sorted(blocks))
 
     def _server_answers(self) -> bool:
         """False for ``retry_after_s`` after a call timed out: a dead server costs one bounded wait, not many."""
         return self.client is not None and time.monotonic() >= self._quiet_until
 
     def _publish(self, state: _RequestState) -> None:
+        """Store the R3 chunks whose KV is stored and whose rows are in: ``[published_end, end)``, chunk-aligned."""
         if not self._server_answers() or state.store_start is None or state.incomplete:
             return
         size = self.chunk_size
-        present = state.rows.present
-        if present.start > state.published_end:
-            return
-        end = min(present.end, state.kv_store_end)
+        request = state.request
+        # Tokens past num_computed_tokens ran on speculative drafts vLLM rejected: never published.
+        end = min(state.kv_store_end, request.num_computed_tokens)
         end -= end % size
         start = state.published_end
-        if end <= start:
-            return
-        request = state.request
-        objects = encode_run(self.profile, start, np.ascontiguousarray(state.rows.rows(start, end)), size)
-        call = self.client.store(list(request.all_token_ids[:end]), start, objects, end, request.cache_salt or "")
-        self._stores.append((request.request_id, call))
-        state.published_end = end
-        self.counters.add("chunks_published", (end - start) // size)
+        if end > start:
+            try:
+                rows = self.mirror.read(state.blocks, start, end)
+            except SlotMirrorError as error:
+                state.incomplete = str(error)
+                return
+            objects = encode_run(self.profile, start, rows, size)
+            call = self.client.store(list(request.all_token_ids[:end]), start, objects, end, request.cache_salt or "")
+            self._stores.append((request.request_id, call))
+            state.published_end = end
+            self.counters.add("chunks_published", (end - start) // size)
+        if state.published_end + size <= state.kv_store_end:
+            self._publish_due[request.request_id] = self._reported + 1  # rows still to come (rejected drafts)
 
     def _reap_stores(self) -> None:
         waiting = []
@@ -422,9 +428,9 @@ class RoutedExpertsBook:
             }
             try:
                 if state.incomplete:
-                    raise R3AssemblyError(state.incomplete)
-                routed = state.rows.materialize(finishing.num_tokens)
-            except (R3AssemblyError, R3CodecError) as error:
+                    raise SlotMirrorError(state.incomplete)
+                routed = self.mirror.read(state.blocks, 0, finishing.num_tokens - 1)
+            except SlotMirrorError as error:
                 self.counters.add("requests_incomplete")
                 params[ROUTED_EXPERTS_ERROR_KEY] = f"routed experts of request {request_id} are incomplete: {error}"
                 logger.error("lmcache_r3: %s", params[ROUTED_EXPERTS_ERROR_KEY])
@@ -446,6 +452,7 @@ class RoutedExpertsBook:
         """Drop a request's state without output (aborted, or its lookup state reset)."""
         self._requests.pop(request_id, None)
         self._finishing.pop(request_id, None)
+        self._publish_due.pop(request_id, None)
 
     def settle(self, timeout_s: float) -> None:
         """Wait (bounded) for R3 stores in flight; for shutdown and tests."""

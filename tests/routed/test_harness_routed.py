@@ -118,6 +118,11 @@ def test_preempted_requests_return_exact_rows(r3_harness):
     preempted: set[str] = set()
     for request_id, tokens in requests.items():
         harness.add_request(request_id, tokens, max_tokens=60)
+    harness.step()  # submits the three LMCache lookups
+    # Admit all three together (one running alone would finish before the next is looked up, and none be preempted).
+    adapter, deadline = harness.scheduler.connector.scheduler_adapter, time.monotonic() + 30
+    while any(adapter.check_lookup_result(r) is None for r in requests) and time.monotonic() < deadline:
+        time.sleep(0.01)
     while harness.scheduler.has_requests() or harness.scheduler.requests:
         out = harness.step()
         preempted |= set(out.preempted_req_ids or ())
@@ -140,15 +145,15 @@ def test_rows_complete_although_request_finished_runs_before_the_last_steps_rows
         return finished(request, block_ids)
 
     def update_connector_output(output):
-        rows = getattr(output.kv_connector_worker_meta, "rows", {}) or {}
-        events.append(("rows", frozenset(rows)))
+        rows = getattr(output.kv_connector_worker_meta, "rows", None)
+        events.append(("rows", frozenset() if rows is None else frozenset({rows.shape[0]})))
         return update(output)
 
     connector.request_finished, connector.update_connector_output = request_finished, update_connector_output
     tokens = prompt(90, seed=6)
     harness.generate([("order", tokens)], max_tokens=3)
     finished_at = events.index(("request_finished", frozenset({"order"})))
-    assert events[finished_at + 1] == ("rows", frozenset({"order"})), events[-4:]
+    assert events[finished_at + 1] == ("rows", frozenset({1})), events[-4:]  # the last step's one decode row
     np.testing.assert_array_equal(returned_rows(harness, "order"), expected_rows(harness, "order", tokens, 3))
 
 
@@ -223,10 +228,10 @@ def test_two_tp_ranks_worker_metadata_carries_rank_zeros_rows_once(r3_harness):
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-    from lmcache_r3.mp.r3_messages import R3WorkerMetadata, RequestStepRows
+    from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 
-    rows = RequestStepRows(0, np.arange(8, dtype=np.uint8).reshape(2, 2, 2), np.array([32, 33]))
-    rank0 = R3WorkerMetadata(completed_store_requests={"a": 1}, rows={"a": rows})
+    rows, slots = np.arange(8, dtype=np.uint8).reshape(2, 2, 2), np.array([32, 33])
+    rank0 = R3WorkerMetadata(completed_store_requests={"a": 1}, step=5, slots=slots, rows=rows)
     rank1 = LMCacheMPWorkerMetadata(completed_store_requests={"a": 1})
 
     def output(meta):
@@ -236,10 +241,11 @@ def test_two_tp_ranks_worker_metadata_carries_rank_zeros_rows_once(r3_harness):
     merged = KVOutputAggregator(expected_finished_count=2).aggregate([output(rank0), output(rank1)])
     meta = merged.kv_connector_output.kv_connector_worker_meta
     assert isinstance(meta, R3WorkerMetadata)
-    assert meta.completed_store_requests == {"a": 2}
-    np.testing.assert_array_equal(meta.rows["a"].rows, rows.rows)
-    both = rank0.aggregate(R3WorkerMetadata(rows={}))
-    assert list(both.rows) == ["a"]
+    assert meta.completed_store_requests == {"a": 2} and meta.step == 5
+    np.testing.assert_array_equal(meta.rows, rows)
+    np.testing.assert_array_equal(meta.slots, slots)
+    for merged in (rank0.aggregate(R3WorkerMetadata(step=5)), R3WorkerMetadata(step=5).aggregate(rank0)):
+        assert merged.step == 5 and merged.rows is rows and merged.slots is slots
 
 
 def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(

@@ -1,5 +1,6 @@
 """The scheduler-side bookkeeping of routed experts, driven step by step against a real LMCache server with the R3
-module. vLLM's ``Request`` is stood in for by the few fields the bookkeeping reads (no engine runs here)."""
+module. vLLM's ``Request`` and ``SchedulerOutput`` are stood in for by the few fields the bookkeeping reads (no
+engine runs here)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import pytest
 
 from lmcache_r3.artifacts import R3Profile, decode_run
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.r3_messages import R3WorkerMetadata, RequestStepRows
+from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
+from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
 
 pytestmark = pytest.mark.server
 
 CHUNK = 64
 BLOCK = 32
 PROFILE = R3Profile(num_layers=2, top_k=2, num_experts=8)
+BLOCKS = [10, 11, 12, 13, 14]
 
 
 @dataclass
@@ -26,42 +29,117 @@ class Request:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
-    max_tokens: int = 8
-    num_prompt_tokens: int = field(init=False)
+    status: str = "RUNNING"
 
-    def __post_init__(self):
-        self.num_prompt_tokens = len(self.all_token_ids)
-
-
-def rows(start: int, end: int) -> np.ndarray:
-    return (np.arange(start, end)[:, None, None] % 8 * np.ones((1, 2, 2), dtype=np.int64)).astype(np.uint8)
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
 
-def step(request_id: str, start: int, end: int) -> R3WorkerMetadata:
-    slots = np.arange(start, end) + 10 * BLOCK  # blocks 10.. hold the request
-    return R3WorkerMetadata(rows={request_id: RequestStepRows(start, rows(start, end), slots)})
+@dataclass
+class NewRequest:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int = 0
 
 
-def test_rows_of_rejected_speculative_tokens_are_never_published(r3_server):
-    client = R3Client(r3_server.url, "spec-model", PROFILE)
-    book = RoutedExpertsBook(PROFILE, CHUNK, BLOCK, num_blocks=64, client=client, fetch_timeout_s=5)
-    tokens = list(range(100, 100 + 2 * CHUNK + 10))
-    request = Request("spec", tokens)
+@dataclass
+class CachedRequests:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequests = field(default_factory=CachedRequests)
+
+
+def rows(start: int, end: int, salt: int = 0) -> np.ndarray:
+    """Distinct routing per position; another ``salt`` is what a different (e.g. rejected draft) token routes to."""
+    return ((np.arange(start, end)[:, None, None] * 3 + salt) % 8 * np.ones((1, 2, 2), dtype=np.int64)).astype(np.uint8)
+
+
+def slots(start: int, end: int) -> np.ndarray:
+    positions = np.arange(start, end)
+    return np.asarray(BLOCKS)[positions // BLOCK] * BLOCK + positions % BLOCK
+
+
+def worker_output(step: int, start: int, end: int, salt: int = 0) -> R3WorkerMetadata:
+    return R3WorkerMetadata(step=step, slots=slots(start, end), rows=rows(start, end, salt))
+
+
+@pytest.fixture
+def book(r3_server):
+    client = R3Client(r3_server.url, "book-model", PROFILE)
+    yield RoutedExpertsBook(PROFILE, CHUNK, BLOCK, num_blocks=64, client=client, fetch_timeout_s=5)
+    client.close()
+
+
+def start_request(book: RoutedExpertsBook, request: Request, num_scheduled: int, store_end: int = 0) -> int:
+    """Look the request up (no hit) and schedule its first step, whose KV store covers ``[0, store_end)``."""
     book.begin_lookup(request, 0)
     book.end_lookup(request)
-    book.on_store("spec", 0, 2 * CHUNK)  # the KV store covers two chunks
-    # A step computed positions [0, 100) plus drafts at [100, 130); vLLM accepted up to 110 only.
+    if store_end:
+        book.on_store(request.request_id, 0, store_end)
+    new = NewRequest(request.request_id, (list(BLOCKS),))
+    return book.on_schedule(SchedulerOutput({request.request_id: num_scheduled}, [new]), group=0)
+
+
+def test_rows_of_rejected_speculative_tokens_are_never_published(book):
+    tokens = list(range(100, 100 + 2 * CHUNK + 10))
+    request = Request("spec", tokens)
+    step = start_request(book, request, 130, store_end=2 * CHUNK)  # this step's KV store covers two chunks
+    # The step computed positions [0, 110) plus drafts at [110, 130); vLLM accepted up to 110 only.
     request.num_computed_tokens = 110
-    book.on_worker_output(step("spec", 0, 130))
+    drafts = worker_output(step, 0, 130)
+    drafts.rows[110:] = rows(110, 130, salt=5)
+    book.on_worker_output(drafts)
     book.settle(10)
-    assert book._requests["spec"].rows.present.end == 110  # the rejected drafts' rows are gone
-    fetched = client.fetch(tokens).result()
+    fetched = book.client.fetch(tokens).result()
     assert fetched.num_hit_chunks == 1  # chunk [64, 128) is not complete: nothing past 110 was published
     (chunk,) = decode_run(fetched.objects, PROFILE, 0, CHUNK).chunks
     np.testing.assert_array_equal(chunk.rows, rows(0, CHUNK))
-    # The next step recomputes from 110 with the accepted tokens; the second chunk is then published.
+    # The next step recomputes from 110 with the accepted tokens; the second chunk is then published with them.
+    step = book.on_schedule(SchedulerOutput({"spec": 20}, [], CachedRequests(["spec"], [None], set(), [110])), 0)
     request.num_computed_tokens = 130
-    book.on_worker_output(step("spec", 110, 130))
+    book.on_worker_output(worker_output(step, 110, 130))
     book.settle(10)
-    assert client.fetch(tokens).result().num_hit_chunks == 2
-    client.close()
+    fetched = book.client.fetch(tokens).result()
+    assert fetched.num_hit_chunks == 2
+    second = decode_run(fetched.objects, PROFILE, 0, CHUNK).chunks[1]
+    np.testing.assert_array_equal(second.rows, rows(CHUNK, 2 * CHUNK))
+
+
+def test_a_step_whose_rows_never_arrive_makes_the_output_an_error_never_rows(book):
+    request = Request("lost", list(range(300, 300 + 40)))
+    first = start_request(book, request, 20)
+    request.num_computed_tokens = 20
+    second = book.on_schedule(SchedulerOutput({"lost": 19}, [], CachedRequests(["lost"], [None], set(), [20])), 0)
+    request.num_computed_tokens = 39
+    book.on_worker_output(worker_output(second, 20, 39))  # step `first` never reported its rows
+    request.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())
+    assert first == second - 1
+    assert ROUTED_EXPERTS_KEY not in params
+    assert f"engine step {first} never arrived" in params[ROUTED_EXPERTS_ERROR_KEY]
+    # The mirror forgot those blocks: a later request hitting them in vLLM's prefix cache cannot read old rows.
+    with pytest.raises(ValueError, match="no R3 row was written"):
+        book.mirror.read(BLOCKS, 0, 1)
+
+
+def test_finished_request_returns_every_position_from_the_mirror(book):
+    request = Request("whole", list(range(500, 500 + 70)))
+    step = start_request(book, request, 70)
+    request.num_computed_tokens = 70
+    request.all_token_ids.append(7)  # the token sampled in that step finishes the request
+    book.on_worker_output(worker_output(step, 0, 70))
+    request.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())
+    np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, 70))
+    assert params["lmcache_r3_sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 70}

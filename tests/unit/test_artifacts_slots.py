@@ -116,16 +116,46 @@ def test_pool_dimensions_must_be_positive_ints(bad):
         SlotMirror(PROFILE, num_blocks=bad, block_size=16)
 
 
+def test_queued_steps_apply_in_order_before_any_read_or_forget():
+    mirror = SlotMirror(PROFILE, num_blocks=10, block_size=BLOCK)
+    table = [4]
+    first, again = rows_for(8, seed=1), rows_for(8, seed=2)
+    mirror.queue(slots_of(table, range(0, 8)), first)
+    mirror.queue(slots_of(table, range(4, 12)), again)  # positions 4..7 recomputed in a later step
+    np.testing.assert_array_equal(mirror.read(table, 0, 4), first[:4])
+    np.testing.assert_array_equal(mirror.read(table, 4, 12), again)
+    mirror.queue(slots_of(table, range(0, 2)), first[:2])
+    mirror.forget_blocks(table)  # the queued step came first: the forget wins
+    with pytest.raises(SlotMirrorError, match="no R3 row was written for position 0"):
+        mirror.read(table, 0, 1)
+
+
+def test_the_queue_is_applied_once_it_holds_max_queued_rows_and_refuses_bad_slots_at_once():
+    mirror = SlotMirror(PROFILE, num_blocks=10, block_size=BLOCK)
+    mirror.max_queued_rows = 16
+    for step in range(4):
+        mirror.queue(slots_of([2], range(4 * step, 4 * step + 4)), rows_for(4, seed=step))
+    assert not mirror._queued  # 16 rows reached: applied
+    with pytest.raises(SlotMirrorError, match="past the pool of 160 slots"):
+        mirror.queue(np.array([160]), rows_for(1, seed=9))
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_mirror_matches_a_slot_dictionary_under_random_steps(data):
     num_blocks, block_size = 12, 4
     mirror = SlotMirror(PROFILE, num_blocks=num_blocks, block_size=block_size)
     model: dict[int, np.ndarray] = {}
-    for step in range(data.draw(st.integers(1, 6))):
+    for step in range(data.draw(st.integers(1, 8))):
+        action = data.draw(st.sampled_from(["write", "queue", "forget"]))
+        if action == "forget":
+            blocks = data.draw(st.lists(st.integers(0, num_blocks - 1), max_size=3, unique=True))
+            mirror.forget_blocks(blocks)
+            model = {s: row for s, row in model.items() if s // block_size not in blocks}
+            continue
         slots = data.draw(st.lists(st.integers(-1, num_blocks * block_size - 1), max_size=20, unique=True))
         rows = rows_for(len(slots), seed=step)
-        mirror.write(np.asarray(slots, dtype=np.int64), rows)
+        getattr(mirror, action)(np.asarray(slots, dtype=np.int64), rows)
         model.update({s: rows[i] for i, s in enumerate(slots) if s >= 0})
 
     table = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=4, unique=True))

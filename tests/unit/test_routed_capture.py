@@ -1,15 +1,12 @@
-"""Worker-side row mapping and the connector's routed-experts switches (pure functions, real vLLM configs)."""
+"""Worker-side step rows and the connector's routed-experts switches (pure functions, real vLLM configs)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from lmcache_r3.artifacts import R3Profile
-from lmcache_r3.mp.capture import CaptureError, collect_step_rows, locate_rows, require_eager_on_cpu
-from lmcache_r3.mp.r3_messages import StepRows
+from lmcache_r3.artifacts import GatherNarrowError, R3Profile
+from lmcache_r3.mp.capture import CaptureError, StepRowsError, narrow_step, require_eager_on_cpu
 from lmcache_r3.output import (
     ROUTED_EXPERTS_ERROR_KEY,
     RoutedExpertsUnavailable,
@@ -18,47 +15,51 @@ from lmcache_r3.output import (
     routed_experts,
 )
 
-BLOCK = 4
+PROFILE = R3Profile(num_layers=2, top_k=2, num_experts=8)
+
+
+def captured_rows(num_rows: int, num_experts: int = 8) -> np.ndarray:
+    """A capture buffer as the router fills it: int32, one row per token, distinct ids per token."""
+    return (np.arange(num_rows * 4, dtype=np.int32).reshape(num_rows, 2, 2) * 3 + 1) % num_experts
 
 
 @pytest.mark.parametrize(
-    ("slot_mapping", "plans", "found", "unmapped"),
+    ("slot_mapping", "num_captured", "kept"),
     [
-        pytest.param([8, 9, 10], {"a": StepRows(0, 3, 0, (2,))}, {"a": [0, 1, 2]}, [], id="one-request-in-order"),
-        pytest.param(
-            [21, 22, 8, 9],
-            {"a": StepRows(0, 2, 0, (2,)), "b": StepRows(5, 2, 1, (5,))},
-            {"a": [2, 3], "b": [0, 1]},
-            [],
-            id="batch-order-differs-from-plan-order",
-        ),
-        pytest.param(
-            [14, 15, 4, 5], {"a": StepRows(2, 4, 0, (3, 1))}, {"a": [0, 1, 2, 3]}, [], id="positions-span-two-blocks"
-        ),
-        pytest.param([8, -1, 9], {"a": StepRows(0, 2, 0, (2,))}, {"a": [0, 2]}, [], id="padding-slots-skipped"),
-        pytest.param([8], {"a": StepRows(0, 2, 0, (2,))}, {}, ["a"], id="a-position-without-a-row"),
-        pytest.param([8, 8, 9], {"a": StepRows(0, 2, 0, (2,))}, {}, ["a"], id="a-slot-claimed-twice"),
-        pytest.param([8], {"a": StepRows(0, 0, 0, ())}, {}, [], id="nothing-scheduled"),
+        pytest.param([40, 9, 10], 3, [0, 1, 2], id="every-token-in-batch-order"),
+        pytest.param([8, -1, 9, -1], 4, [0, 2], id="padding-tokens-dropped"),
+        pytest.param([8, 9], 16, [0, 1], id="buffer-longer-than-the-step"),
+        pytest.param([], 4, [], id="nothing-computed"),
+        pytest.param([-1, -1], 2, [], id="only-padding"),
     ],
 )
-def test_locate_rows_finds_each_position_by_its_slot(slot_mapping, plans, found, unmapped):
-    located, missing = locate_rows(np.asarray(slot_mapping), plans, BLOCK)
-    assert {rid: index.tolist() for rid, (index, _) in located.items()} == found
-    assert missing == unmapped
+def test_narrow_step_keeps_each_real_tokens_row_beside_its_slot(slot_mapping, num_captured, kept):
+    captured = captured_rows(num_captured)
+    slots, rows = narrow_step(np.asarray(slot_mapping, dtype=np.int32), captured, PROFILE)
+    assert slots.dtype == np.int64 and rows.dtype == np.uint8
+    assert slots.tolist() == [slot_mapping[i] for i in kept]
+    np.testing.assert_array_equal(rows, captured[kept])
 
 
-def test_collect_step_rows_narrows_and_keeps_positions():
+def test_narrow_step_narrows_to_uint16_and_never_aliases_the_capture_buffer():
     profile = R3Profile(num_layers=2, top_k=2, num_experts=300)
-    captured = np.arange(4 * 4, dtype=np.int32).reshape(4, 2, 2) * 10
-    rows, unmapped = collect_step_rows(
-        np.array([13, 12, 4, 5]), captured, {"a": StepRows(0, 2, 0, (1,)), "b": StepRows(4, 2, 1, (3,))}, BLOCK,
-        profile,
-    )  # fmt: skip
-    assert unmapped == []
-    assert rows["a"].start == 0 and rows["a"].rows.dtype == np.uint16
-    np.testing.assert_array_equal(rows["a"].rows, captured[[2, 3]])
-    np.testing.assert_array_equal(rows["b"].rows, captured[[1, 0]])
-    np.testing.assert_array_equal(rows["b"].slots, [12, 13])
+    captured = captured_rows(3, num_experts=300) * 90 % 300
+    slots, rows = narrow_step(np.array([5, 6, 7]), captured, profile)
+    assert rows.dtype == np.uint16
+    np.testing.assert_array_equal(rows, captured)
+    already_narrow = captured.astype(np.uint16)
+    _, rows = narrow_step(np.array([5, 6, 7]), already_narrow, profile)
+    already_narrow[:] = 0  # the runner overwrites its buffer in the next step
+    np.testing.assert_array_equal(rows, captured)
+
+
+def test_narrow_step_refuses_ids_outside_the_profile_and_a_short_buffer():
+    captured = captured_rows(2)
+    captured[1, 0, 1] = 8  # 8 experts: ids 0..7
+    with pytest.raises(GatherNarrowError, match="expert ids span"):
+        narrow_step(np.array([3, 4]), captured, PROFILE)
+    with pytest.raises(StepRowsError, match="holds 2 rows but the step computed 3 tokens"):
+        narrow_step(np.array([3, 4, 5]), captured_rows(2), PROFILE)
 
 
 @pytest.fixture
@@ -114,29 +115,18 @@ def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
         routed_experts(_Output(None))
 
 
-@given(
-    requests=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), min_size=1, max_size=12),
-    drop=st.integers(-1, 30),
-    seed=st.integers(0, 2**16),
-)
-def test_locate_rows_agrees_with_a_slot_dictionary(requests, drop, seed):
-    rng = np.random.default_rng(seed)
-    plans, next_block = {}, 1
-    for i, (start, count) in enumerate(requests):
-        first, last = start // BLOCK, max(start // BLOCK, (start + count - 1) // BLOCK + 1)
-        plans[f"r{i}"] = StepRows(start, count, first, tuple(range(next_block, next_block + last - first)))
-        next_block += last - first
-    all_slots = [int(x) for plan in plans.values() for x in plan.slots(BLOCK)]
-    if 0 <= drop < len(all_slots):
-        del all_slots[drop]  # one position has no row
-    mapping = np.array(all_slots + [-1], dtype=np.int64)[rng.permutation(len(all_slots) + 1)]
-    row_of = {int(slot): row for row, slot in enumerate(mapping)}
-    located, unmapped = locate_rows(mapping, plans, BLOCK)
-    for request_id, plan in plans.items():
-        wanted = [row_of.get(int(slot)) for slot in plan.slots(BLOCK)]
-        if plan.num_tokens == 0:
-            assert request_id not in located and request_id not in unmapped
-        elif None in wanted:
-            assert request_id in unmapped
-        else:
-            assert located[request_id][0].tolist() == wanted
+def test_worker_metadata_crosses_the_process_boundary_with_its_rows_and_receipts():
+    """vLLM pickles the worker's metadata every step (worker process -> engine core); the rows travel as bytes."""
+    import pickle
+
+    from lmcache_r3.mp.r3_messages import R3WorkerMetadata
+
+    rows = captured_rows(3).astype(np.uint8)
+    sent = R3WorkerMetadata(completed_store_requests={"a": 1}, failed_store_requests={"b"}, step=7,
+                            slots=np.array([9, 4, 33]), rows=rows)  # fmt: skip
+    got = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    assert (got.step, got.completed_store_requests, got.failed_store_requests) == (7, {"a": 1}, {"b"})
+    assert got.slots.tolist() == [9, 4, 33] and got.rows.dtype == np.uint8
+    np.testing.assert_array_equal(got.rows, rows)
+    failed = pickle.loads(pickle.dumps(R3WorkerMetadata(step=8, capture_error="no capture")))
+    assert (failed.step, failed.rows, failed.slots, failed.capture_error) == (8, None, None, "no capture")
