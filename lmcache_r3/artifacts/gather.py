@@ -21,6 +21,7 @@ import numpy as np
 
 from lmcache_r3.artifacts.profile import R3Profile
 
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 _BAD_ROW_INDEX = 1
 _BAD_EXPERT_ID = 2
 _THREADS_PER_BLOCK = 256
@@ -49,7 +50,9 @@ def narrow_rows(rows: np.ndarray, profile: R3Profile) -> np.ndarray:
         )
     if rows.dtype == profile.dtype:
         return rows
-    if rows.size:
+    # One pass checks both bounds: a negative id read as unsigned is larger than any expert count.
+    unsigned = rows.view(_UNSIGNED[rows.dtype.itemsize]) if rows.dtype.kind == "i" else rows
+    if rows.size and int(unsigned.max()) >= profile.num_experts:
         low, high = int(rows.min()), int(rows.max())
         if low < 0 or high >= profile.num_experts:
             raise GatherNarrowError(

@@ -77,7 +77,9 @@ class SlotMirror:
             SlotMirrorError: length mismatch, wrong dtype or shape, or a slot id past the pool.
         """
         self._apply_queued()
-        self._scatter(self._checked(slot_ids, rows), rows)
+        slots = self._checked(slot_ids, rows)
+        self._check_pool(slots)
+        self._scatter(slots, rows)
 
     def queue(self, slot_ids: np.ndarray, rows: np.ndarray) -> None:
         """Like :meth:`write`, applied before the next write, read or forget (see the module docstring).
@@ -85,7 +87,8 @@ class SlotMirror:
         The arrays are kept, not copied: the caller must not change them afterwards.
 
         Raises:
-            SlotMirrorError: as :meth:`write` (a slot id past the pool when the queue is applied).
+            SlotMirrorError: as :meth:`write`; a slot id past the pool is refused when the queue is applied (by the
+                next write, read or forget), with every queued row.
         """
         slots = self._checked(slot_ids, rows)
         self._queued.append((slots, rows))
@@ -107,6 +110,7 @@ class SlotMirror:
             _, last_from_end = np.unique(slots[::-1], return_index=True)
             newest = slots.shape[0] - 1 - last_from_end
             slots, rows = slots[newest], rows[newest]
+        self._check_pool(slots)
         self._scatter(slots, rows)
 
     def _checked(self, slot_ids: np.ndarray | Sequence[int], rows: np.ndarray) -> np.ndarray:
@@ -118,13 +122,15 @@ class SlotMirror:
                 f"rows must be {self.profile.dtype} of shape [{slots.shape[0]}, {self.profile.num_layers}, "
                 f"{self.profile.top_k}] (one per slot id), got {rows.dtype} of shape {rows.shape}"
             )
+        return slots
+
+    def _check_pool(self, slots: np.ndarray) -> None:
         if slots.size and slots.max() >= self.num_slots:
             raise SlotMirrorError(
                 f"slot id {int(slots.max())} is past the pool of {self.num_slots} slots "
                 f"({self.num_blocks} blocks x {self.block_size}); "
                 f"the mirror must be built from the same KV cache config as the engine"
             )
-        return slots
 
     def _scatter(self, slots: np.ndarray, rows: np.ndarray) -> None:
         real = slots >= 0

@@ -332,17 +332,19 @@ class RoutedExpertsBook:
             self._reap_stores()
 
     def _take_step(self, meta: R3WorkerMetadata) -> None:
-        for lost in [step for step in self._in_flight if step < meta.step]:
-            self._refuse_step(lost, f"the routing of engine step {lost} never arrived from the worker")
+        step = meta.step
         if meta.capture_error:
             logger.error("lmcache_r3: routed experts not captured: %s", meta.capture_error)
-            self._refuse_step(meta.step, f"the routing of engine step {meta.step} was not captured")
+            self._refuse_step(step, f"the routing of engine step {step} was not captured")
         else:
-            self._in_flight.pop(meta.step, None)
+            self._in_flight.pop(step, None)
             if meta.rows is not None and meta.rows.shape[0]:
                 self.mirror.queue(meta.slots, meta.rows)  # applied before anything reads or forgets a slot
                 self.counters.add("rows_computed", meta.rows.shape[0])
-        self._reported = max(self._reported, meta.step)
+        if self._in_flight and min(self._in_flight) < step:  # steps still unreported are lost (they come in order)
+            for lost in [earlier for earlier in self._in_flight if earlier < step]:
+                self._refuse_step(lost, f"the routing of engine step {lost} never arrived from the worker")
+        self._reported = max(self._reported, step)
 
     def _refuse_step(self, step: int, reason: str) -> None:
         """A step's rows are missing: its requests' routing is incomplete, and so is that of their blocks."""

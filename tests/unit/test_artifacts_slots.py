@@ -130,14 +130,15 @@ def test_queued_steps_apply_in_order_before_any_read_or_forget():
         mirror.read(table, 0, 1)
 
 
-def test_the_queue_is_applied_once_it_holds_max_queued_rows_and_refuses_bad_slots_at_once():
+def test_the_queue_is_applied_once_it_holds_max_queued_rows_and_refuses_a_slot_past_the_pool():
     mirror = SlotMirror(PROFILE, num_blocks=10, block_size=BLOCK)
     mirror.max_queued_rows = 16
     for step in range(4):
         mirror.queue(slots_of([2], range(4 * step, 4 * step + 4)), rows_for(4, seed=step))
     assert not mirror._queued  # 16 rows reached: applied
+    mirror.queue(np.array([160]), rows_for(1, seed=9))
     with pytest.raises(SlotMirrorError, match="past the pool of 160 slots"):
-        mirror.queue(np.array([160]), rows_for(1, seed=9))
+        mirror.read([2], 0, 16)
 
 
 @settings(max_examples=100, deadline=None)
