@@ -15,8 +15,10 @@ from lmcache_r3.artifacts import R3Profile
 
 #: Method names registered by :mod:`lmcache_r3.mp.server_module`.
 METHOD_STORE = "lmcache_r3.store"
+METHOD_STORE_MANY = "lmcache_r3.store_many"
 METHOD_LOOKUP = "lmcache_r3.lookup"
 METHOD_FETCH = "lmcache_r3.fetch"
+METHOD_FETCH_MANY = "lmcache_r3.fetch_many"
 METHOD_DELETE = "lmcache_r3.delete"
 METHOD_INFO = "lmcache_r3.info"
 
@@ -59,6 +61,23 @@ class StoreRequest(msgspec.Struct, frozen=True):
     objects: bytes
 
 
+class StoreItem(msgspec.Struct, frozen=True):
+    """One request's part of a :class:`StoreManyRequest`: the R3 objects of the full chunks of ``range``."""
+
+    range: ChunkRange
+    objects: bytes
+
+
+class StoreManyRequest(msgspec.Struct, frozen=True):
+    """Several stores in one call: the connector publishes every request's newly complete chunks of a step at once.
+
+    The server checks every item before storing any: one malformed item refuses the whole call.
+    """
+
+    profile: ProfileSpec
+    items: list[StoreItem]
+
+
 class StoreResponse(msgspec.Struct, frozen=True):
     num_chunks: int
     """Chunks the request addressed."""
@@ -66,6 +85,11 @@ class StoreResponse(msgspec.Struct, frozen=True):
     """Chunks newly written."""
     num_present: int
     """Chunks that were already stored (first writer wins; the bytes are identical by construction)."""
+
+
+class StoreManyResponse(msgspec.Struct, frozen=True):
+    results: list[StoreResponse]
+    """One per item, in order (a chunk two items share is stored once and counted by the first)."""
 
 
 class LookupRequest(msgspec.Struct, frozen=True):
@@ -92,6 +116,18 @@ class FetchResponse(msgspec.Struct, frozen=True):
     """Leading chunks returned, counted from ``range.start``; each was verified by the server."""
     objects: bytes
     """Their R3 objects, concatenated in chunk order (``decode_run`` reads them)."""
+
+
+class FetchManyRequest(msgspec.Struct, frozen=True):
+    """Several fetches in one call: the connector fetches the R3 of every request it looked up in an engine step."""
+
+    profile: ProfileSpec
+    ranges: list[ChunkRange]
+
+
+class FetchManyResponse(msgspec.Struct, frozen=True):
+    results: list[FetchResponse]
+    """One per range, in order."""
 
 
 class DeleteRequest(msgspec.Struct, frozen=True):

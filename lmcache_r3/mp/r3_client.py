@@ -18,6 +18,11 @@ from lmcache_r3.mp import protocol
 
 T = TypeVar("T", bound=msgspec.Struct)
 
+StoreSpec = tuple[Sequence[int], int, bytes, int | None, str]
+"""``(token_ids, start, objects, end, cache_salt)``: one store of :meth:`R3Client.store_many`."""
+FetchSpec = tuple[Sequence[int], int, int | None, str]
+"""``(token_ids, start, end, cache_salt)``: one fetch of :meth:`R3Client.fetch_many`."""
+
 
 class R3ClientError(RuntimeError):
     """The server answered with an error (the message is the server's reason)."""
@@ -105,6 +110,21 @@ class R3Client:
         request = protocol.StoreRequest(self._range(token_ids, start, end, cache_salt), self._profile_spec, objects)
         return self._call(protocol.METHOD_STORE, request, protocol.StoreResponse)
 
+    def store_many(self, items: Sequence[StoreSpec]) -> R3Call[protocol.StoreManyResponse]:
+        """Several :meth:`store` calls in one round trip (e.g. every request's new chunks of an engine step).
+
+        Args:
+            items: ``(token_ids, start, objects, end, cache_salt)`` per store, as :meth:`store` takes them.
+        """
+        request = protocol.StoreManyRequest(
+            self._profile_spec,
+            [
+                protocol.StoreItem(self._range(tokens, start, end, salt), objects)
+                for tokens, start, objects, end, salt in items
+            ],
+        )
+        return self._call(protocol.METHOD_STORE_MANY, request, protocol.StoreManyResponse)
+
     def lookup(
         self, token_ids: Sequence[int], start: int = 0, end: int | None = None, cache_salt: str = ""
     ) -> R3Call[protocol.LookupResponse]:
@@ -118,6 +138,12 @@ class R3Client:
         """The verified R3 objects of the leading present chunks of ``token_ids[start:end]``."""
         request = protocol.FetchRequest(self._range(token_ids, start, end, cache_salt), self._profile_spec)
         return self._call(protocol.METHOD_FETCH, request, protocol.FetchResponse)
+
+    def fetch_many(self, items: Sequence[FetchSpec]) -> R3Call[protocol.FetchManyResponse]:
+        """Several :meth:`fetch` calls in one round trip; the response has one result per item, in order."""
+        ranges = [self._range(tokens, start, end, salt) for tokens, start, end, salt in items]
+        return self._call(protocol.METHOD_FETCH_MANY, protocol.FetchManyRequest(self._profile_spec, ranges),
+                          protocol.FetchManyResponse)  # fmt: skip
 
     def delete(
         self, token_ids: Sequence[int], start: int = 0, end: int | None = None, cache_salt: str = ""

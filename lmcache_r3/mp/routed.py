@@ -39,7 +39,7 @@ from lmcache_r3.artifacts import (
     encode_run,
 )
 from lmcache_r3.counters import Counters
-from lmcache_r3.mp.r3_client import R3Call, R3Client, R3TimeoutError
+from lmcache_r3.mp.r3_client import FetchSpec, R3Call, R3Client, R3TimeoutError, StoreSpec
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.output import (
     ROUTED_EXPERTS_ERROR_KEY,
@@ -71,7 +71,11 @@ R3_COUNTERS = (
 @dataclass
 class _PendingFetch:
     start: int
-    call: R3Call | None
+    spec: FetchSpec | None = None
+    """What to fetch, until the fetch is sent (with the other fetches of the engine step, in one call)."""
+    call: R3Call | None = None
+    """The call it was sent in, and its place there."""
+    index: int = 0
 
 
 @dataclass
@@ -121,7 +125,8 @@ class RoutedExpertsBook:
         self._requests: dict[str, _RequestState] = {}
         self._finishing: dict[str, _Finishing] = {}
         self._siblings: dict[str, dict[str, str]] = {}
-        self._stores: list[tuple[str, R3Call]] = []
+        self._stores: list[tuple[tuple[str, ...], R3Call]] = []
+        self._fetch_queue: list[tuple[str, _PendingFetch]] = []
         self._next_step = 0
         self._in_flight: dict[int, Any] = {}
         """Per step sent to the worker for capture, its ``num_scheduled_tokens`` (the requests it computes)."""
@@ -171,12 +176,24 @@ class RoutedExpertsBook:
             return
         tokens = request.all_token_ids
         end = len(tokens) - len(tokens) % self.chunk_size
-        call = None
+        state.fetch = _PendingFetch(start)
+        state.fetched = None
         if self._server_answers() and end > start:
             self.counters.add("fetches")
-            call = self.client.fetch(list(tokens[:end]), start, end, cache_salt=request.cache_salt or "")
-        state.fetch = _PendingFetch(start, call)
-        state.fetched = None
+            state.fetch.spec = (list(tokens[:end]), start, end, request.cache_salt or "")
+            self._fetch_queue.append((request.request_id, state.fetch))
+
+    def send_fetches(self) -> None:
+        """Send the R3 fetches queued since the last call as one call (once per engine step, and whenever a KV
+        lookup answers before its fetch was sent)."""
+        queued, self._fetch_queue = self._fetch_queue, []
+        live = [
+            fetch for request_id, fetch in queued if getattr(self._requests.get(request_id), "fetch", None) is fetch
+        ]
+        if live:
+            call = self.client.fetch_many([fetch.spec for fetch in live])
+            for index, fetch in enumerate(live):
+                fetch.call, fetch.index, fetch.spec = call, index, None
 
     def joint_hit_end(self, request: Any, kv_hit_tokens: int) -> int:
         """Where the joint KV+R3 hit ends: ``kv_hit_tokens`` cut at the first chunk without valid R3.
@@ -185,11 +202,13 @@ class RoutedExpertsBook:
         lookup), at most the client's bound. A failed fetch is an R3 miss.
         """
         state = self._state(request)
+        if state.fetch is not None and state.fetch.spec is not None:
+            self.send_fetches()  # the KV lookup answered before this step's fetches went out
         fetch, state.fetch = state.fetch, None
         if fetch is None or fetch.call is None:
             return min(kv_hit_tokens, fetch.start if fetch else 0)
         try:
-            response = fetch.call.result(timeout=self.fetch_timeout_s)
+            response = fetch.call.result(timeout=self.fetch_timeout_s).results[fetch.index]
             decoded = decode_run(response.objects, self.profile, fetch.start, self.chunk_size)
         except Exception as error:  # a dead or slow server, a refused call: recompute rather than guess
             self.counters.add("fetch_failures")
@@ -233,6 +252,8 @@ class RoutedExpertsBook:
             The step's number, for ``r3_step`` in the connector metadata; None when no request with routed experts
             computes anything in it.
         """
+        if self._fetch_queue:
+            self.send_fetches()  # the lookups of this engine step are done: one call fetches all their R3
         step = self._next_step
         self._next_step += 1
         fresh: list[int] = []
@@ -320,12 +341,7 @@ class RoutedExpertsBook:
         if isinstance(worker_meta, R3WorkerMetadata) and worker_meta.step is not None:
             self._take_step(worker_meta)
         if self._publish_due:
-            for request_id, due in list(self._publish_due.items()):
-                if due <= self._reported:
-                    del self._publish_due[request_id]
-                    state = self._requests.get(request_id)
-                    if state is not None:
-                        self._publish(state)
+            self._publish_due_chunks()
         if self._finishing:
             self._finish()
         if self._stores:
@@ -363,35 +379,52 @@ class RoutedExpertsBook:
         """False for ``retry_after_s`` after a call timed out: a dead server costs one bounded wait, not many."""
         return self.client is not None and time.monotonic() >= self._quiet_until
 
-    def _publish(self, state: _RequestState) -> None:
-        """Store the R3 chunks whose KV is stored and whose rows are in: ``[published_end, end)``, chunk-aligned."""
+    def _publish_due_chunks(self) -> None:
+        """Store, in one call, the R3 of every request whose stored KV range the reported steps completed."""
+        items: list[StoreSpec] = []
+        publishers: list[str] = []
+        for request_id, due in list(self._publish_due.items()):
+            if due > self._reported:
+                continue
+            del self._publish_due[request_id]
+            state = self._requests.get(request_id)
+            item = self._publishable(state) if state is not None else None
+            if item is not None:
+                items.append(item)
+                publishers.append(request_id)
+        if items:
+            self._stores.append((tuple(publishers), self.client.store_many(items)))
+
+    def _publishable(self, state: _RequestState) -> StoreSpec | None:
+        """The store of the R3 chunks whose KV is stored and whose rows are in: ``[published_end, end)``."""
         if not self._server_answers() or state.store_start is None or state.incomplete:
-            return
+            return None
         size = self.chunk_size
         request = state.request
         # Tokens past num_computed_tokens ran on speculative drafts vLLM rejected: never published.
         end = min(state.kv_store_end, request.num_computed_tokens)
         end -= end % size
         start = state.published_end
+        item = None
         if end > start:
             try:
                 rows = self.mirror.read(state.blocks, start, end)
             except SlotMirrorError as error:
                 state.incomplete = str(error)
-                return
+                return None
             objects = encode_run(self.profile, start, rows, size)
-            call = self.client.store(list(request.all_token_ids[:end]), start, objects, end, request.cache_salt or "")
-            self._stores.append((request.request_id, call))
+            item = (list(request.all_token_ids[:end]), start, objects, end, request.cache_salt or "")
             state.published_end = end
             self.counters.add("chunks_published", (end - start) // size)
         if state.published_end + size <= state.kv_store_end:
             self._publish_due[request.request_id] = self._reported + 1  # rows still to come (rejected drafts)
+        return item
 
     def _reap_stores(self) -> None:
         waiting = []
-        for request_id, call in self._stores:
+        for request_ids, call in self._stores:
             if not call.done():
-                waiting.append((request_id, call))
+                waiting.append((request_ids, call))
                 continue
             try:
                 call.result(timeout=0)
@@ -399,7 +432,7 @@ class RoutedExpertsBook:
                 self.counters.add("store_failures")
                 if isinstance(error, R3TimeoutError):
                     self._quiet_until = time.monotonic() + self.retry_after_s
-                logger.warning("lmcache_r3: R3 store for %s failed: %s", request_id, error)
+                logger.warning("lmcache_r3: R3 store for %s failed: %s", ", ".join(request_ids), error)
         self._stores = waiting
 
     # -- finish ------------------------------------------------------------------------------------------------

@@ -112,38 +112,65 @@ class R3ServerModule:
     @server_module_handler(protocol.METHOD_STORE)
     def store(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.StoreRequest)
-        profile = self._profile(request.profile)
-        keys = self._keys(request.range)
+        item = protocol.StoreItem(range=request.range, objects=request.objects)
+        (result,) = self._store_items(self._profile(request.profile), [item])
+        return protocol.encode(result)
+
+    @server_module_handler(protocol.METHOD_STORE_MANY)
+    def store_many(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.StoreManyRequest)
+        results = self._store_items(self._profile(request.profile), request.items)
+        return protocol.encode(protocol.StoreManyResponse(results=results))
+
+    def _store_items(self, profile: R3Profile, items: list[protocol.StoreItem]) -> list[protocol.StoreResponse]:
+        """Check every item, then write all their new objects with one reservation of the storage manager."""
         object_nbytes = encoded_nbytes(profile, self.chunk_size)
-        expected = object_nbytes * len(keys)
-        if len(request.objects) != expected:
-            self._refuse(
-                f"store of tokens [{request.range.start}, {request.range.end}) covers {len(keys)} full chunks of "
-                f"{self.chunk_size} tokens = {expected} bytes of R3 objects for {profile.describe()}, but "
-                f"{len(request.objects)} bytes were sent (partial chunks are never stored)"
+        item_keys = [
+            self._checked_store(profile, item, object_nbytes, index, len(items)) for index, item in enumerate(items)
+        ]
+        sources: dict[ObjectKey, memoryview] = {}
+        for item, keys in zip(items, item_keys, strict=True):
+            objects = memoryview(item.objects)
+            for index, key in enumerate(keys):
+                sources.setdefault(key, objects[index * object_nbytes : (index + 1) * object_nbytes])
+        storage = self._ctx.storage_manager
+        reserved = storage.reserve_write(list(sources), _layout(object_nbytes)) if sources else {}
+        if reserved:
+            for key, obj in reserved.items():
+                _object_bytes(obj, object_nbytes)[:] = np.frombuffer(sources[key], dtype=np.uint8)
+            storage.finish_write_by_owner(storage.prepare_write_completion(reserved))
+        results, counted = [], set()
+        for keys in item_keys:
+            stored = sum(1 for key in keys if key in reserved and key not in counted)
+            counted.update(keys)
+            results.append(
+                protocol.StoreResponse(num_chunks=len(keys), num_stored=stored, num_present=len(keys) - stored)
             )
-        decoded = decode_run(request.objects, profile, request.range.start, self.chunk_size)
+        self.counters.update(
+            store_calls=1, stored_chunks=len(reserved), store_skipped_chunks=len(sources) - len(reserved)
+        )
+        return results
+
+    def _checked_store(
+        self, profile: R3Profile, item: protocol.StoreItem, object_nbytes: int, index: int, count: int
+    ) -> list[ObjectKey]:
+        """The keys of one store item, after checking that its objects are exactly its chunks' valid R3 objects."""
+        where = f" (item {index + 1} of {count})" if count > 1 else ""
+        keys = self._keys(item.range)
+        expected = object_nbytes * len(keys)
+        if len(item.objects) != expected:
+            self._refuse(
+                f"store of tokens [{item.range.start}, {item.range.end}){where} covers {len(keys)} full chunks of "
+                f"{self.chunk_size} tokens = {expected} bytes of R3 objects for {profile.describe()}, but "
+                f"{len(item.objects)} bytes were sent (partial chunks are never stored)"
+            )
+        decoded = decode_run(item.objects, profile, item.range.start, self.chunk_size)
         if decoded.error is not None:
             self._refuse(
-                f"store refused, nothing stored: R3 object {len(decoded.chunks)} of {len(keys)} is invalid: "
+                f"store refused, nothing stored: R3 object {len(decoded.chunks)} of {len(keys)}{where} is invalid: "
                 f"{decoded.error}"
             )
-        if not keys:
-            return protocol.encode(protocol.StoreResponse(num_chunks=0, num_stored=0, num_present=0))
-        storage = self._ctx.storage_manager
-        reserved = storage.reserve_write(keys, _layout(object_nbytes))
-        if reserved:
-            source = np.frombuffer(request.objects, dtype=np.uint8)
-            for index, key in enumerate(keys):
-                obj = reserved.get(key)
-                if obj is not None:
-                    _object_bytes(obj, object_nbytes)[:] = source[index * object_nbytes : (index + 1) * object_nbytes]
-            storage.finish_write_by_owner(storage.prepare_write_completion(reserved))
-        skipped = len(keys) - len(reserved)
-        self.counters.update(store_calls=1, stored_chunks=len(reserved), store_skipped_chunks=skipped)
-        return protocol.encode(
-            protocol.StoreResponse(num_chunks=len(keys), num_stored=len(reserved), num_present=skipped)
-        )
+        return keys
 
     @server_module_handler(protocol.METHOD_LOOKUP)
     def lookup(self, payload: bytes) -> bytes:
@@ -158,6 +185,18 @@ class R3ServerModule:
         hit, objects = self._read_leading(request.range, self._profile(request.profile), keep_bytes=True)
         self.counters.update(fetch_calls=1, fetched_chunks=hit)
         return protocol.encode(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
+
+    @server_module_handler(protocol.METHOD_FETCH_MANY)
+    def fetch_many(self, payload: bytes) -> bytes:
+        request = self._decode(payload, protocol.FetchManyRequest)
+        profile = self._profile(request.profile)
+        submitted = [self._submit_read(chunk_range, profile) for chunk_range in request.ranges]  # all in flight
+        results = []
+        for pending, chunk_range in zip(submitted, request.ranges, strict=True):
+            hit, objects = self._finish_read(pending, chunk_range, profile, keep_bytes=True)
+            results.append(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
+        self.counters.update(fetch_calls=1, fetched_chunks=sum(r.num_hit_chunks for r in results))
+        return protocol.encode(protocol.FetchManyResponse(results=results))
 
     @server_module_handler(protocol.METHOD_DELETE)
     def delete(self, payload: bytes) -> bytes:
@@ -218,18 +257,34 @@ class R3ServerModule:
         Returns the number of leading valid chunks and, with ``keep_bytes``, their concatenated bytes. A damaged
         object ends the hit and is dropped from L1 so it is not found again.
         """
+        return self._finish_read(self._submit_read(chunk_range, profile), chunk_range, profile, keep_bytes)
+
+    def _submit_read(self, chunk_range: protocol.ChunkRange, profile: R3Profile) -> tuple[list[ObjectKey], Any]:
+        """Start bringing a range's objects into L1: ``(keys, prefetch handle or None)``."""
         keys = self._keys(chunk_range)
         if not keys:
-            return 0, b""
-        object_nbytes = encoded_nbytes(profile, self.chunk_size)
-        storage = self._ctx.storage_manager
+            return keys, None
         spec = PrefetchTaskSpec(
             key_groups=[
-                GroupedObjectKeys(keys=keys, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
+                GroupedObjectKeys(
+                    keys=keys,
+                    object_group_id=R3_OBJECT_GROUP,
+                    layout_desc=_layout(encoded_nbytes(profile, self.chunk_size)),
+                )
             ],
             num_kv_readers=1,
         )
-        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
+        return keys, self._ctx.storage_manager.submit_prefetch_task(spec, external_request_id="lmcache_r3")
+
+    def _finish_read(
+        self, submitted: tuple[list[ObjectKey], Any], chunk_range: protocol.ChunkRange, profile: R3Profile,
+        keep_bytes: bool,
+    ) -> tuple[int, bytes]:  # fmt: skip
+        keys, handle = submitted
+        if handle is None:
+            return 0, b""
+        object_nbytes = encoded_nbytes(profile, self.chunk_size)
+        storage = self._ctx.storage_manager
         result = self._wait_prefetch(handle, keys)
         if result is None:
             return 0, b""

@@ -157,6 +157,46 @@ def test_malformed_stores_are_refused_with_the_reason_and_nothing_is_stored(clie
     assert good.num_stored == 2
 
 
+def test_one_store_many_call_stores_every_requests_chunks_and_a_shared_chunk_once(client):
+    shared = tokens_for(30, CHUNK)
+    first, second = shared + tokens_for(31, 2 * CHUNK), shared + tokens_for(32, CHUNK)
+    first_rows, second_rows = rows_for(31, 3 * CHUNK), rows_for(31, 2 * CHUNK)  # same tokens, same routing
+    second_rows[CHUNK:] = rows_for(32, CHUNK)
+    items = [
+        (first, 0, encode_run(PROFILE, 0, first_rows, CHUNK), 3 * CHUNK, ""),
+        (second, 0, encode_run(PROFILE, 0, second_rows, CHUNK), 2 * CHUNK, ""),
+    ]
+    results = client.store_many(items).result().results
+    assert [(r.num_chunks, r.num_stored, r.num_present) for r in results] == [(3, 3, 0), (2, 1, 1)]
+    for tokens, rows in ((first, first_rows), (second, second_rows)):
+        assert wait_for_hit(client, tokens, len(rows) // CHUNK) == len(rows) // CHUNK
+        decoded = decode_run(client.fetch(tokens).result().objects, PROFILE, 0, CHUNK)
+        np.testing.assert_array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows)
+
+
+def test_one_fetch_many_call_answers_each_range_in_order(client):
+    stored, missing = tokens_for(35, 3 * CHUNK), tokens_for(36, 2 * CHUNK)
+    rows = rows_for(35, 3 * CHUNK)
+    store_rows(client, stored, rows)
+    assert wait_for_hit(client, stored, 3) == 3
+    results = client.fetch_many([(stored, CHUNK, 3 * CHUNK, ""), (missing, 0, 2 * CHUNK, ""), (stored, 0, None, "")])
+    first, miss, whole = results.result().results
+    assert (first.num_hit_chunks, miss.num_hit_chunks, miss.objects, whole.num_hit_chunks) == (2, 0, b"", 3)
+    decoded = decode_run(first.objects, PROFILE, CHUNK, CHUNK)
+    np.testing.assert_array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows[CHUNK:])
+
+
+def test_one_malformed_item_refuses_the_whole_store_many_call(client):
+    good, bad = tokens_for(33, 2 * CHUNK), tokens_for(34, CHUNK)
+    damaged = bytearray(encode_run(PROFILE, 0, rows_for(34, CHUNK), CHUNK))
+    damaged[-1] ^= 0xFF
+    items = [(good, 0, encode_run(PROFILE, 0, rows_for(33, 2 * CHUNK), CHUNK), 2 * CHUNK, ""),
+             (bad, 0, bytes(damaged), CHUNK, "")]  # fmt: skip
+    with pytest.raises(R3ClientError, match=r"nothing stored: R3 object 0 of 1 \(item 2 of 2\) is invalid"):
+        client.store_many(items).result()
+    assert client.lookup(good).result().num_hit_chunks == 0
+
+
 def test_objects_of_another_profile_under_the_same_key_are_a_miss(client, r3_server):
     tokens, rows = tokens_for(9, CHUNK), rows_for(9, CHUNK)
     store_rows(client, tokens, rows)

@@ -18,6 +18,10 @@ def test_marker_scan_finds_a_running_child_and_forgets_it_once_stopped():
     marker = uuid.uuid4().hex
     child = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_MARKER_VAR: marker})
     try:
+        # Until the child has exec'd, /proc shows the forked parent's environment, without the marker.
+        deadline = time.monotonic() + 5
+        while child.pid not in processes_with_marker(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert child.pid in processes_with_marker(marker)
     finally:
         child.kill()
