@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Routed experts end to end"
 NUM_CPUS = os.cpu_count() or 1
 WORKER_CORES = "nobind" if NUM_CPUS < 2 else (f"1-{NUM_CPUS - 1}" if NUM_CPUS > 2 else "1")
-"""The vLLM worker's OpenMP threads run on cores 1.., leaving core 0 to the engine core, the front end and the
-LMCache server (vLLM's CPU backend otherwise spreads them over every core, and on a 2-core host the serving
-processes then preempt the model's threads at random: rounds vary 2x)."""
+"""The vLLM workers run on cores 1.., the engine cores, the front end and the LMCache server on core 0 (vLLM's CPU
+backend otherwise spreads the model's threads over every core, and on a 2-core host the serving processes then
+preempt them at random: rounds vary 2x)."""
 
 
 def engine_rounds(rounds: int, workdir: Path) -> dict[tuple[str, bool], list[float]]:
@@ -59,6 +59,8 @@ def cpu_seconds():  # this process and every process below it: both engines, the
             pass
     return total
 def main():
+    if {WORKER_CORES!r} != "nobind":
+        os.sched_setaffinity(0, {{0}})  # the front end, the engine cores and the server: core 0 (the workers: the rest)
     from lmcache_r3.demo import run as demo
     from lmcache_r3.demo.model import SMALL, build_tiny_moe
     workdir = Path({str(workdir)!r})
@@ -153,6 +155,16 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
                         spent[0] += time.perf_counter() - started
 
                 setattr(book, name, timed)
+            server_calls = {"store_many": [0, 0], "fetch_many": [0, 0]}  # calls, requests in them
+            for name, counts in server_calls.items():
+                original = getattr(book.client, name)
+
+                def counted(items, _original=original, _counts=counts):
+                    _counts[0] += 1
+                    _counts[1] += len(items)
+                    return _original(items)
+
+                setattr(book.client, name, counted)
             rng = np.random.default_rng(0)
             for i in range(concurrent):
                 harness.add_request(f"r{i}", [int(t) for t in rng.integers(10, 900, size=200)], max_tokens=32)
@@ -175,6 +187,7 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
                 "step_ms": statistics.median(step_times[i] for i in busy) * 1e3,
                 "r3_ms": statistics.median(r3_times[i] for i in busy) * 1e3,
                 "fraction": sum(r3_times[i] for i in busy) / sum(step_times[i] for i in busy),
+                "server_calls": server_calls,
             }
         finally:
             harness.shutdown()
@@ -203,9 +216,9 @@ def report(rounds: int, concurrent: int) -> str:
         "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
         "two engines with the same connector, routed experts on and off, alive side by side and taking turns round "
         "by round (off-on, on-off, ...), a 1.2 s pause before every round so the idle engine's worker stops "
-        f"busy-waiting; the workers' OpenMP threads on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the "
-        "serving processes on the rest; each engine's first round dropped; median of the rounds. Timed: the three "
-        "generate calls of "
+        f"busy-waiting; the workers on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the front end, the engine "
+        "cores and the LMCache server on core 0; each engine's first round dropped; median of the rounds. Timed: the "
+        "three generate calls of "
         "a round (not the wait for LMCache's stores to land before each prefix-cache reset). Goal: on / off <= 1.05.",
         "",
         "| routed experts | rounds (s) | median (s) | on / off |",
@@ -241,6 +254,13 @@ def report(rounds: int, concurrent: int) -> str:
         "scheduler time |",
         "| --- | --- | --- |",
         f"| {book['step_ms']:.2f} ms | {book['r3_ms']:.2f} ms | **{100 * book['fraction']:.1f}%** |",
+        "",
+        "R3 calls to the LMCache server in that run (each engine step sends one store and one fetch call at most, "
+        "whatever the number of requests in it): "
+        + ", ".join(
+            f"`{name}` {calls} calls for {items} requests" for name, (calls, items) in book["server_calls"].items()
+        )
+        + ".",
         "",
     ]
     return "\n".join(lines)
