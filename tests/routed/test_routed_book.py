@@ -143,3 +143,22 @@ def test_finished_request_returns_every_position_from_the_mirror(book):
     book.on_worker_output(R3WorkerMetadata())
     np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, 70))
     assert params["lmcache_r3_sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 70}
+
+
+def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):
+    from lmcache_r3.artifacts import encode_run
+
+    prompts = {name: list(range(seed, seed + 2 * CHUNK + 5)) for name, seed in (("a", 1000), ("b", 3000), ("c", 5000))}
+    for tokens in prompts.values():  # R3 of each prompt's first chunk only
+        book.client.store(tokens, 0, encode_run(PROFILE, 0, rows(0, CHUNK), CHUNK), CHUNK).result()
+    calls_before = r3_server.status()["lmcache_r3"]["fetch_calls"]
+    requests = {name: Request(name, tokens) for name, tokens in prompts.items()}
+    book.begin_lookup(requests["a"], 0)
+    book.begin_lookup(requests["b"], 0)
+    book.on_schedule(SchedulerOutput({}), group=0)  # the step's lookups are done: one call for both
+    assert book.joint_hit_end(requests["a"], 2 * CHUNK) == CHUNK  # KV has 2 chunks, R3 only the first
+    assert book.joint_hit_end(requests["b"], CHUNK) == CHUNK
+    assert r3_server.status()["lmcache_r3"]["fetch_calls"] == calls_before + 1  # both answers came in that call
+    book.begin_lookup(requests["c"], 0)
+    assert book.joint_hit_end(requests["c"], 2 * CHUNK) == CHUNK  # answered before the step's fetches went out
+    assert r3_server.status()["lmcache_r3"]["fetch_calls"] == calls_before + 2
