@@ -67,9 +67,10 @@ MODEL = "bench-model"
 KV_LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
 TASK_TIMEOUT_S = 120.0
-PATHS = ("shm", "fs", "mooncake", "raw_mooncake", "memcpy")
+PATHS = ("shm", "shm_fresh", "fs", "mooncake", "raw_mooncake", "memcpy")
 LABELS = {
     "shm": "lmcache_r3 shm tier (`ShmL2Adapter`, /dev/shm)",
+    "shm_fresh": "lmcache_r3 shm tier, recycling off (`recycle_bytes: 0`: every put writes new pages)",
     "fs": "LMCache fs tier (`FSL2Adapter`, base path on /dev/shm)",
     "mooncake": "lmcache_r3 Mooncake tier (`MooncakeL2Adapter`)",
     "raw_mooncake": "raw Mooncake `batch_put_from` / `batch_get_into`",
@@ -336,6 +337,13 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
     paths: list = []
     try:
         paths.append(AdapterPath("shm", ShmL2Adapter({"root": shm_root, "capacity_bytes": 4 * kind.total})))
+        fresh_root = os.path.join(shm_root, "fresh")  # its own root: the recycling tier's free files are not its
+        paths.append(
+            AdapterPath(
+                "shm_fresh",
+                ShmL2Adapter({"root": fresh_root, "capacity_bytes": 4 * kind.total, "recycle_bytes": 0}),
+            )
+        )
         paths.append(AdapterPath("fs", FSL2Adapter(FSL2AdapterConfig(base_path=fs_root))))
         params = {
             "mooncake": {
@@ -440,6 +448,12 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "copies each object into a preallocated, already touched buffer (put) and back (get). Every get is compared "
         "byte for byte with what was put.",
         "",
+        "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
+        "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "
+        "where each one follows an eviction. `recycle_bytes: 0` shows a put into new tmpfs pages (a tier still "
+        "filling up). A KV batch is copied on the shm tier's 2 `io_threads`; an R3 batch (under its 8 MiB "
+        "`parallel_min_bytes`) on one thread.",
+        "",
         "| path | " + " | ".join(f"{k.name} put | {k.name} get | {k.name} get: lookup" for k in kinds) + " |",
         "| --- |" + " --- | --- | --- |" * len(kinds),
     ]
@@ -447,7 +461,7 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         cells = []
         for kind in kinds:
             f = results[kind.name][name]
-            lookup = ms(f.lookup_ms) if name in ("shm", "fs", "mooncake") else "-"
+            lookup = ms(f.lookup_ms) if name in ("shm", "shm_fresh", "fs", "mooncake") else "-"
             cells += [f"{f.put_gbps:.2f} GB/s ({ms(f.put_ms)})", f"{f.get_gbps:.2f} GB/s ({ms(f.get_ms)})", lookup]
         out.append(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
     out += [

@@ -16,6 +16,10 @@ Loaded by LMCache's stock plugin factory::
 * ``ttl_seconds`` (optional): objects older than this are swept every ``sweep_interval_seconds`` (default 10).
 * ``task_timeout_seconds`` (default 30): the watchdog fails a task still running after this long.
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (default 2 / 1 / 2), ``durable`` (False).
+* ``recycle_bytes`` (default: the capacity; 0 turns it off): removed objects' files kept to be rewritten by later
+  puts (see :mod:`lmcache_r3.tiers.shm_store`, "Recycling").
+* ``io_threads`` (default 2): a task of several objects totalling at least ``parallel_min_bytes`` (default 8 MiB)
+  copies them on this many threads at once (one tmpfs copy stream does not saturate memory bandwidth).
 
 Key encoding
 ------------
@@ -54,6 +58,7 @@ import os
 import struct
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmcache.logging import init_logger
@@ -90,6 +95,9 @@ _PARAMS = frozenset(
         "num_lookup_workers",
         "num_load_workers",
         "durable",
+        "recycle_bytes",
+        "io_threads",
+        "parallel_min_bytes",
     }
 )
 _WORKERS = {"store": 2, "lookup": 1, "load": 2}
@@ -139,6 +147,14 @@ def decode_object_key(encoded: bytes) -> ObjectKey | None:
     return key if encode_object_key(key) == bytes(encoded) else None
 
 
+def _nbytes(obj: Any) -> int:
+    """The size of an L1 memory object, 0 for one whose bytes cannot be seen (its operation will fail and count)."""
+    try:
+        return byte_view(obj).nbytes
+    except Exception:
+        return 0
+
+
 # -- the adapter -----------------------------------------------------------------------------------------------------
 class ShmL2Adapter(TaskL2Adapter):
     """An ``L2AdapterInterface`` over :class:`ShmObjectStore` (see the module for the design)."""
@@ -159,7 +175,11 @@ class ShmL2Adapter(TaskL2Adapter):
         ttl = params.get("ttl_seconds")
         try:
             self._store = ShmObjectStore(
-                root, capacity_bytes=capacity, ttl_seconds=ttl, durable=bool(params.get("durable", False))
+                root,
+                capacity_bytes=capacity,
+                ttl_seconds=ttl,
+                durable=bool(params.get("durable", False)),
+                recycle_bytes=params.get("recycle_bytes"),
             )
         except UntrustedRootError as err:
             logger.error("ShmL2Adapter refuses its root: %s", err)
@@ -173,6 +193,12 @@ class ShmL2Adapter(TaskL2Adapter):
             extra_counters=("unrecoverable_keys_at_start",),
         )
         self._sweep_interval = float(params.get("sweep_interval_seconds", 10.0))
+        io_threads = int(params.get("io_threads", 2))
+        if io_threads < 1:
+            raise ValueError(f"ShmL2Adapter: adapter_params.io_threads must be >= 1, got {io_threads}")
+        self._parallel_min_bytes = int(params.get("parallel_min_bytes", 8 << 20))
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="shm-l2-io") if io_threads > 1 else None
+        self._io_threads = io_threads
         self._l1_memory_desc = l1_memory_desc
         self._store_seen = self._store_removals()
         self._adopt_existing()
@@ -210,19 +236,37 @@ class ShmL2Adapter(TaskL2Adapter):
     def _each(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any], doing: str, operation
     ) -> Iterator[tuple[int, memoryview, Any]]:
-        """``(i, view, operation(names[i], view))`` per object until the task is abandoned; a raise is counted, logged
-        and skips the object."""
-        for i, (key, name, obj) in enumerate(zip(keys, names, objects, strict=False)):
-            if task.abandoned:
-                return
-            try:
-                view = byte_view(obj)
-                result = operation(name, view)
-            except Exception as err:
-                self._count("errors")
-                logger.warning("ShmL2Adapter: %s %s failed: %s", doing, key, err)
-                continue
-            yield i, view, result
+        """``(i, view, operation(names[i], view))`` per object, in order, until the task is abandoned; a raise is
+        counted, logged and skips the object. A big task runs on ``io_threads`` threads, each taking every n-th."""
+        count = min(len(keys), len(names), len(objects))
+        lanes = [range(count)]
+        if self._io is not None and count > 1:
+            total = sum(_nbytes(obj) for obj in objects[:count])
+            if total >= self._parallel_min_bytes:
+                n = min(self._io_threads, count)
+                lanes = [range(lane, count, n) for lane in range(n)]
+
+        def run(indices: range) -> list[tuple[int, memoryview, Any]]:
+            done = []
+            for i in indices:
+                if task.abandoned:
+                    break
+                try:
+                    view = byte_view(objects[i])
+                    done.append((i, view, operation(names[i], view)))
+                except Exception as err:
+                    self._count("errors")
+                    logger.warning("ShmL2Adapter: %s %s failed: %s", doing, keys[i], err)
+            return done
+
+        if len(lanes) == 1:
+            yield from run(lanes[0])
+            return
+        futures = [self._io.submit(run, lane) for lane in lanes[1:]]
+        results = run(lanes[0])
+        for future in futures:
+            results += future.result()  # run() never raises
+        yield from sorted(results, key=lambda item: item[0])
 
     def _put(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any]
@@ -313,4 +357,11 @@ class ShmL2Adapter(TaskL2Adapter):
             "errors": counters["errors"] + counters["timeouts"],
             "bytes_written": store_stats["bytes_written"],
             "bytes_read": store_stats["bytes_read"],
+            "raced": store_stats["raced"],
+            "recycled": store_stats["recycled"],
+            "pooled_bytes": self._store.pooled_bytes(),
         }
+
+    def _close_tier(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)

@@ -10,6 +10,7 @@ Layout of a root (owned by the current user, mode 0700, not a symlink)::
 
     ROOT/.tmp-<pid>-<n>-<random>         a write in progress (unlinked after publish)
     ROOT/<shard>/<name>                  one object, mode 0600
+    ROOT/.free/<size>-<pid>-<n>-<random> a removed object's file, kept to be rewritten by a later put
 
 * ``name`` is the key in lowercase base32 without padding (alphabet ``a-z2-7``): it is injective, cannot contain
   ``/``, ``.`` or NUL, so it can neither collide nor escape the root. Keys are 1..``MAX_KEY_BYTES`` (155) bytes,
@@ -17,13 +18,24 @@ Layout of a root (owned by the current user, mode 0700, not a symlink)::
 * ``shard`` is two hex digits from XXH3-64 of the key (256 directories), so keys sharing a long prefix (the same
   model name, say) still spread evenly and no directory grows too large to scan.
 * a file is a 32-byte header followed by the payload. The header holds a magic, a format version, the payload
-  length, the XXH3-64 of the payload, and the XXH3-64 of the header fields before it. Every ``get`` checks all of
-  them; any mismatch, short or long file is a *corrupt* object: counted, removed, and answered as a miss.
+  length, the XXH3-64 of the payload *seeded with the XXH3-64 of the key* (so a file can only ever pass as the
+  object of its own key), and the XXH3-64 of the header fields before it. Every ``get`` checks all of them; any
+  mismatch, short or long file is a *corrupt* object: counted, removed, and answered as a miss.
 
 Publishing writes a temp file (``O_EXCL``, 0600) in the root and hard-links it to its final name: ``link`` fails
 with ``EEXIST`` when another writer got there first, and a reader can only ever open a complete file. There is no
 ``fsync`` by default: tmpfs has no disk to sync to, and this store survives server restarts, not host reboots (which
 empty /dev/shm anyway); pass ``durable=True`` on a disk-backed root.
+
+Recycling. On tmpfs, writing a new file costs the kernel a page allocation and a zeroing per 4 KiB before the copy
+(about 2 GB/s here); rewriting pages a file already has is a plain copy (about 8 GB/s). So an object removed by
+``delete`` or the TTL sweep is not unlinked but renamed into ``ROOT/.free`` (atomically: it leaves its name at
+once), and a later ``put`` of an object of the same file size claims it by renaming it to its temp name, rewrites
+it in place and links it as usual. A reader that opened the file before it was removed can see it rewritten under
+it; the key-seeded checksum makes that a miss (counted as ``raced``), never another object's bytes. The free files
+count against the capacity (``used + pooled <= capacity_bytes``), are bounded by ``recycle_bytes`` (default: the
+capacity; 0 turns recycling off), and are the first thing dropped when a put needs room; a store adopts the free
+files under its root when it opens.
 
 Capacity is counted in file bytes (header included) and enforced by evicting the least recently used objects this
 store knows of (recency is kept in memory and updated by ``put`` and ``get``). Opening a store scans the root, so a
@@ -66,6 +78,7 @@ FORMAT_VERSION = 1
 ROOT_MODE = 0o700
 OBJECT_MODE = 0o600
 TEMP_PREFIX = ".tmp-"
+FREE_DIR = ".free"
 STALE_TEMP_SECONDS = 600.0
 """A temp file older than this when a store opens is left over from a crashed writer and removed."""
 
@@ -134,6 +147,11 @@ def encode_header(payload_length: int, payload_digest: int) -> bytes:
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
+def key_seed(key: bytes) -> int:
+    """The seed of ``key``'s payload checksum: its XXH3-64."""
+    return xxhash.xxh3_64_intdigest(key)
+
+
 def decode_header(header: bytes) -> tuple[int, int] | None:
     """``(payload_length, payload_digest)`` of a valid header, else None (wrong magic, version or checksum)."""
     if len(header) != HEADER.size:
@@ -196,6 +214,8 @@ class ShmObjectStore:
         capacity_bytes: most file bytes (headers included) this store keeps before evicting least recently used.
         ttl_seconds: ``sweep_expired`` removes objects published longer ago than this; None keeps them forever.
         durable: ``fsync`` each object before publishing it (useful only on a disk-backed root).
+        recycle_bytes: most bytes of removed objects' files kept for rewriting (see "Recycling"); None: the
+            capacity, 0: none.
 
     Raises:
         UntrustedRootError: the root is a symlink, not a directory, not ours, or not mode 0700.
@@ -207,25 +227,46 @@ class ShmObjectStore:
         capacity_bytes: int,
         ttl_seconds: float | None = None,
         durable: bool = False,
+        recycle_bytes: int | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}; give the tier a size in bytes")
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0 or None (no expiry), got {ttl_seconds}")
+        if recycle_bytes is not None and recycle_bytes < 0:
+            raise ValueError(f"recycle_bytes must be >= 0 (0: none) or None (the capacity), got {recycle_bytes}")
         self.root = open_trusted_root(root)
         self.capacity_bytes = capacity_bytes
         self.ttl_seconds = ttl_seconds
         self.durable = durable
+        self.recycle_bytes = capacity_bytes if recycle_bytes is None else min(recycle_bytes, capacity_bytes)
         self._lock = threading.Lock()
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
         """File size of every object this store knows of, least recently used first."""
         self._used = 0
+        self._free = self.root / FREE_DIR
+        self._pool: OrderedDict[str, int] = OrderedDict()
+        """Size of every free file this store knows of under ``ROOT/.free``, oldest first."""
+        self._pool_by_size: dict[int, dict[str, None]] = {}
+        self._pooled = 0
         self._temp_ids = itertools.count()
         self._stats = dict.fromkeys(
-            ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "evictions", "expired"), 0
+            (
+                "hits",
+                "misses",
+                "corrupt",
+                "raced",
+                "bytes_written",
+                "bytes_read",
+                "evictions",
+                "expired",
+                "recycled",
+            ),
+            0,
         )
         self._remove_stale_temps()
         self.rescan()
+        self._adopt_free_files()
 
     # -- objects ---------------------------------------------------------------------------------------------------
 
@@ -247,10 +288,15 @@ class ShmObjectStore:
             )
         if self._adopt_existing(key, path):
             return False
-        self._make_room(file_size, keep=key)
-        header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload))
         temp = self.root / f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
+        recycled = self._make_room(file_size, keep=key, claim_as=temp)
+        header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))))
+        if recycled:
+            fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
+            if os.fstat(fd).st_size != file_size:  # renamed in by another store with another size
+                os.ftruncate(fd, file_size)
+        else:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
         try:
             try:
                 _write_all(fd, memoryview(header))
@@ -269,6 +315,7 @@ class ShmObjectStore:
             os.unlink(temp)
         with self._lock:
             self._stats["bytes_written"] += payload.nbytes
+            self._stats["recycled"] += recycled
         self._touch(key, file_size)
         return True
 
@@ -303,7 +350,7 @@ class ShmObjectStore:
         try:
             length, digest = self._read_header(fd)
             payload = read_payload(fd, length)
-            if xxhash.xxh3_64_intdigest(payload) != digest:
+            if xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))) != digest:
                 raise _Corrupt
             self._hit(key, length)
             return payload
@@ -320,12 +367,11 @@ class ShmObjectStore:
         """Remove the objects of ``keys``; the number removed. Never raises: missing or invalid keys are skipped."""
         removed = 0
         for key in keys:
+            self._forget(key)  # first, so the file's bytes are free for the free files
             try:
-                os.unlink(self._path(key))
-                removed += 1
+                removed += self._retire(self._path(key))
             except (OSError, ShmStoreError):
                 pass
-            self._forget(key)
         return removed
 
     def keys(self) -> Iterator[bytes]:
@@ -342,8 +388,14 @@ class ShmObjectStore:
         with self._lock:
             return self._used, self.capacity_bytes
 
+    def pooled_bytes(self) -> int:
+        """Bytes of the free files this store keeps for rewriting (they count against the capacity)."""
+        with self._lock:
+            return self._pooled
+
     def stats(self) -> dict[str, int]:
-        """Counters since open: hits, misses, corrupt, bytes_written, bytes_read (payload bytes), evictions, expired."""
+        """Counters since open: hits, misses, corrupt, raced (a read overtaken by a removal: a miss), bytes_written,
+        bytes_read (payload bytes), evictions, expired, recycled (puts that rewrote a free file)."""
         with self._lock:
             return dict(self._stats)
 
@@ -364,12 +416,10 @@ class ShmObjectStore:
             try:
                 if os.stat(path).st_mtime >= deadline:
                     continue
-                os.unlink(path)
+                self._forget(key)
+                removed += self._retire(path)
             except FileNotFoundError:
-                pass
-            else:
-                removed += 1
-            self._forget(key)
+                self._forget(key)
         with self._lock:
             self._stats["expired"] += removed
         return removed
@@ -427,9 +477,19 @@ class ShmObjectStore:
             raise _Corrupt
         return decoded
 
-    def _make_room(self, incoming: int, keep: bytes) -> None:
-        victims = []
+    def _make_room(self, incoming: int, keep: bytes, claim_as: Path) -> bool:
+        """Make room for a file of ``incoming`` bytes; True when a file of that size now sits at ``claim_as``.
+
+        The file comes from the free files if one has the size, else from an evicted object of that size. Room is
+        made by dropping free files first (oldest first), then by evicting the least recently used objects.
+        """
+        claimed = self._claim_free(incoming, claim_as)
+        free_files, victims = [], []
         with self._lock:
+            while self._used + self._pooled + incoming > self.capacity_bytes and self._pool:
+                name, size = self._pool.popitem(last=False)
+                self._unpool(name, size)
+                free_files.append(name)
             while self._used + incoming > self.capacity_bytes and self._sizes:
                 key, size = self._sizes.popitem(last=False)
                 if key == bytes(keep):
@@ -438,13 +498,111 @@ class ShmObjectStore:
                         break
                     continue
                 self._used -= size
-                victims.append(key)
+                victims.append((key, size))
             self._stats["evictions"] += len(victims)
-        for key in victims:
+        for name in free_files:
+            _unlink_quietly(self._free / name)
+        for key, size in victims:
+            path = self._path(key)
+            if not claimed and size == incoming:
+                try:
+                    os.rename(path, claim_as)  # the victim's file becomes the new object's
+                    claimed = True
+                    continue
+                except FileNotFoundError:
+                    continue
+            _unlink_quietly(path)
+        return claimed
+
+    # -- free files ------------------------------------------------------------------------------------------------
+
+    def _claim_free(self, size: int, claim_as: Path) -> bool:
+        """Rename a free file of exactly ``size`` bytes to ``claim_as``; False when this store knows of none."""
+        while True:
+            with self._lock:
+                names = self._pool_by_size.get(size)
+                if not names:
+                    return False
+                name = next(iter(names))
+                del self._pool[name]
+                self._unpool(name, size)
             try:
-                os.unlink(self._path(key))
+                os.rename(self._free / name, claim_as)
+                return True
             except FileNotFoundError:
-                pass
+                continue  # another store on this root claimed it first
+
+    def _retire(self, path: Path) -> int:
+        """Take the object at ``path`` out of the store: into the free files if they have room, else unlinked.
+
+        Returns 1 if this call removed it, 0 if it was already gone.
+        """
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            keep = self._pooled + size <= self.recycle_bytes and self._used + self._pooled + size <= self.capacity_bytes
+            if keep:
+                name = f"{size}-{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
+                self._pool_file(name, size)  # reserved before the rename, so concurrent retires stay in budget
+        if not keep:
+            try:
+                os.unlink(path)
+                return 1
+            except FileNotFoundError:
+                return 0
+        try:
+            os.rename(path, self._free / name)
+            return 1
+        except FileNotFoundError:
+            with self._lock:
+                if self._pool.pop(name, None) is not None:
+                    self._unpool(name, size)
+            return 0
+
+    def _adopt_free_files(self) -> None:
+        """Know the free files under the root (left by this or another store), within the budget; drop the rest."""
+        os.makedirs(self._free, mode=ROOT_MODE, exist_ok=True)
+        with os.scandir(self._free) as entries:
+            found = []
+            for entry in entries:
+                size_text = entry.name.partition("-")[0]
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and size_text.isdigit() and int(size_text) == info.st_size:
+                    found.append((info.st_mtime, entry.name, info.st_size))
+                else:
+                    _unlink_quietly(Path(entry.path))
+        found.sort()
+        dropped = []
+        with self._lock:
+            for _, name, size in found:
+                if (
+                    self._pooled + size <= self.recycle_bytes
+                    and self._used + self._pooled + size <= self.capacity_bytes
+                ):
+                    self._pool_file(name, size)
+                else:
+                    dropped.append(name)
+        for name in dropped:
+            _unlink_quietly(self._free / name)
+
+    def _pool_file(self, name: str, size: int) -> None:
+        """Count a free file (the caller holds the lock)."""
+        self._pool[name] = size
+        self._pool_by_size.setdefault(size, {})[name] = None
+        self._pooled += size
+
+    def _unpool(self, name: str, size: int) -> None:
+        """Stop counting a free file already popped from ``_pool`` (the caller holds the lock)."""
+        names = self._pool_by_size[size]
+        del names[name]
+        if not names:
+            del self._pool_by_size[size]
+        self._pooled -= size
 
     def _adopt_existing(self, key: bytes, path: Path) -> bool:
         try:
@@ -485,13 +643,15 @@ class ShmObjectStore:
         opened = os.fstat(fd)
         try:
             current = os.stat(path)
-            # Another store may already have replaced the corrupt file with a good one: remove only what we read.
-            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
-                os.unlink(path)
+            raced = (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino)
         except FileNotFoundError:
-            pass
+            raced = True
+        # A file no longer at its path was removed (and maybe rewritten) while we read it: a miss, not damage. Another
+        # store may also have replaced a corrupt file with a good one: remove only what we read.
+        if not raced:
+            _unlink_quietly(path)
         with self._lock:
-            self._stats["corrupt"] += 1
+            self._stats["raced" if raced else "corrupt"] += 1
             self._stats["misses"] += 1
         self._forget(key)
         return None
@@ -529,6 +689,13 @@ def _read_into(fd: int, target: memoryview, length: int) -> memoryview:
             raise _Corrupt
         filled += count
     return view
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _write_all(fd: int, data: memoryview) -> None:

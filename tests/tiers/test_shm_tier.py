@@ -18,7 +18,7 @@ from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import r3_server_module_spec
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
-from tests.support.l2_tasks import CallerBuffer, object_key
+from tests.support.l2_tasks import CallerBuffer, completed, object_key
 
 pytestmark = pytest.mark.server
 
@@ -46,12 +46,20 @@ def start(factory, root: str):
 
 
 def tier_files(root: str) -> set[str]:
+    """The tier's objects: every published file (not the writes in progress, not the free files)."""
+    free = os.path.join(root, ".free")
     return {
         os.path.join(top, name)
         for top, _, names in os.walk(root)
         for name in names
-        if not name.startswith(".tmp-") and top != root
+        if not name.startswith(".tmp-") and top not in (root, free)
     }
+
+
+def free_files(root: str) -> set[str]:
+    """Removed objects' files the tier keeps for rewriting (they count against its capacity)."""
+    free = os.path.join(root, ".free")
+    return {os.path.join(free, name) for name in os.listdir(free)} if os.path.isdir(free) else set()
 
 
 def wait_for_files(root: str, count: int, before: frozenset[str] = frozenset(), timeout_s: float = 10.0) -> set[str]:
@@ -240,3 +248,39 @@ def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapte
     status = adapter.report_status()
     assert not status["is_healthy"] and status["counters"]["timeouts"] == 1
     release.set()
+
+
+def test_a_big_task_copied_on_several_threads_comes_back_byte_equal_with_failures_isolated(shm_root, monkeypatch):
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 64 << 20, "io_threads": 3, "parallel_min_bytes": 1 << 20})
+    try:
+        keys = [_key(i) for i in range(10)]
+        values = [bytes([i]) * (300_000 + i) for i in range(10)]  # 3 MB a task: several lanes
+        real_put = tier._store.put
+        lanes: set[str] = set()
+
+        def put(name, data):
+            import threading
+
+            lanes.add(threading.current_thread().name)
+            if name == tier._name(keys[4]):
+                raise OSError("injected")
+            return real_put(name, data)
+
+        monkeypatch.setattr(tier._store, "put", put)
+        store = tier.submit_store_task(keys, [CallerBuffer(v) for v in values])
+        result = completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(store))
+        assert not result.is_successful(), "a store with a failed object must fail"
+        assert tier.report_status()["objects"] == 9
+        assert len(lanes) >= 2, f"the task ran on {sorted(lanes)} only"
+        assert tier.report_status()["counters"]["errors"] == 1
+
+        buffers = [CallerBuffer(bytes(len(v))) for v in values]
+        load = tier.submit_load_task(keys, buffers)
+        loaded = completed(tier.get_load_event_fd(), lambda: tier.query_load_result(load))
+        assert [loaded.test(i) for i in range(10)] == [i != 4 for i in range(10)]
+        assert all(bytes(b.data) == v for i, (b, v) in enumerate(zip(buffers, values, strict=True)) if i != 4)
+        assert bytes(buffers[4].data) == bytes(len(values[4])), "a missing object's buffer was written"
+    finally:
+        tier.close()

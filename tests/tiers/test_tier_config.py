@@ -20,7 +20,15 @@ from lmcache_r3.tiers.plugins import l2_adapter_spec
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
 from tests.support.processes import REGISTRY
-from tests.tiers.test_shm_tier import clear_l1, fetch_rows, shm_root, tier_files, tier_status, wait_for_files
+from tests.tiers.test_shm_tier import (
+    clear_l1,
+    fetch_rows,
+    free_files,
+    shm_root,
+    tier_files,
+    tier_status,
+    wait_for_files,
+)
 
 __all__ = ["shm_root"]  # the fixture, shared with the shm tier tests
 
@@ -113,6 +121,7 @@ def test_capacity_bounds_the_tier_and_ttl_sweeps_it_under_a_real_server(tmp_path
             while len(tier_files(shm_root)) > 4 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert len(tier_files(shm_root)) <= 4, "the tier holds more than its capacity"
+            assert len(tier_files(shm_root) | free_files(shm_root)) <= 4, "objects + free files exceed the capacity"
             # Which objects go is the store's LRU (tests/unit/test_shm_store.py); LMCache may also skip or evict ahead
             # of the store, as the tier reports its capacity to LMCache.
             clear_l1(server)
@@ -126,6 +135,7 @@ def test_capacity_bounds_the_tier_and_ttl_sweeps_it_under_a_real_server(tmp_path
             while tier_files(shm_root) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not tier_files(shm_root), "objects older than ttl_seconds were meant to be swept"
+            assert len(free_files(shm_root)) <= 4, "the swept objects' files exceed the capacity"
             assert tier_status(server)["expired"] >= 1
             assert all(fetch_rows(r3, tokens)[0] == 0 for tokens, _ in prompts)
     finally:

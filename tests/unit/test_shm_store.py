@@ -99,7 +99,9 @@ def test_files_are_private_and_no_temp_file_is_left_behind(root):
     path = object_path(root, b"k")
     assert path.stat().st_mode & 0o777 == 0o600
     assert root.stat().st_mode & 0o777 == 0o700
-    assert [p.name for p in root.iterdir()] == [shard_of(b"k")]
+    assert (root / ".free").stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in root.iterdir()) == sorted([shard_of(b"k"), ".free"])
+    assert list((root / ".free").iterdir()) == []
 
 
 def test_missing_keys_are_misses_and_delete_never_raises(root):
@@ -178,6 +180,118 @@ def test_a_corrupt_object_is_a_counted_miss_and_is_removed(root, damage, read):
     assert store.usage()[0] == 0
     assert store.put(b"k", value_of(b"k")) is True
     assert store.get(b"k") == value_of(b"k")
+
+
+# -- recycling removed files ------------------------------------------------------------------------------------------
+
+
+def inode(path: Path) -> int:
+    return path.stat().st_ino
+
+
+def test_a_put_rewrites_the_file_of_a_deleted_object_of_the_same_size(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"old", value_of(b"old", 5000))
+    old_inode = inode(object_path(root, b"old"))
+    assert store.delete([b"old"]) == 1
+    assert store.get(b"old") is None and store.usage()[0] == 0
+    assert store.pooled_bytes() == HEADER.size + 5000
+    assert store.put(b"new", value_of(b"new", 5000)) is True
+    assert inode(object_path(root, b"new")) == old_inode, "the deleted object's file was not reused"
+    assert store.get(b"new") == value_of(b"new", 5000)
+    assert store.stats()["recycled"] == 1 and store.pooled_bytes() == 0
+    assert list((root / ".free").iterdir()) == [] and not any(p.name.startswith(".tmp-") for p in root.iterdir())
+
+
+def test_a_file_rewritten_for_another_key_never_passes_as_the_old_key(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", value_of(b"a", 5000))
+    store.delete([b"a"])
+    store.put(b"b", value_of(b"b", 5000))  # rewrites a's old file
+    # What a reader that still had a's file open would read: b's complete object. Put it under a's name.
+    object_path(root, b"a").parent.mkdir(exist_ok=True)
+    os.link(object_path(root, b"b"), object_path(root, b"a"))
+    assert store.get(b"a") is None
+    assert store.stats()["corrupt"] == 1
+    assert store.get(b"b") == value_of(b"b", 5000)
+
+
+def test_a_read_overtaken_by_a_removal_and_a_rewrite_is_a_miss_counted_as_raced(root, monkeypatch):
+    import lmcache_r3.tiers.shm_store as shm_store
+
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", value_of(b"a", 5000))
+    real_read = shm_store._read_bytes
+
+    def removed_while_reading(fd, length):
+        other = ShmObjectStore(root, capacity_bytes=MiB)
+        other.delete([b"a"])  # a's file goes to the free files ...
+        other.put(b"b", value_of(b"b", 5000))  # ... and is rewritten for b under the reader's feet
+        return real_read(fd, length)
+
+    monkeypatch.setattr(shm_store, "_read_bytes", removed_while_reading)
+    assert store.get(b"a") is None
+    assert store.stats()["raced"] == 1 and store.stats()["corrupt"] == 0
+    monkeypatch.setattr(shm_store, "_read_bytes", real_read)
+    assert store.get(b"b") == value_of(b"b", 5000)
+
+
+def test_free_files_count_against_the_capacity_and_are_dropped_before_any_eviction(root):
+    object_size = HEADER.size + 1000
+    store = ShmObjectStore(root, capacity_bytes=3 * object_size)
+    for key in (b"a", b"b", b"c"):
+        store.put(key, value_of(key, 1000))
+    store.delete([b"a"])
+    assert store.usage()[0] + store.pooled_bytes() == 3 * object_size
+    store.put(b"d", value_of(b"d", 999))  # another size: the free file cannot be rewritten, so it is dropped
+    assert sorted(store.keys()) == [b"b", b"c", b"d"]
+    assert store.stats()["evictions"] == 0 and store.pooled_bytes() == 0
+    assert list((root / ".free").iterdir()) == []
+
+
+def test_an_evicted_objects_file_is_rewritten_by_the_put_that_evicted_it(root):
+    object_size = HEADER.size + 1000
+    store = ShmObjectStore(root, capacity_bytes=2 * object_size)
+    store.put(b"a", value_of(b"a", 1000))
+    a_inode = inode(object_path(root, b"a"))
+    store.put(b"b", value_of(b"b", 1000))
+    store.put(b"c", value_of(b"c", 1000))
+    assert sorted(store.keys()) == [b"b", b"c"]
+    assert inode(object_path(root, b"c")) == a_inode
+    assert store.stats()["evictions"] == 1 and store.stats()["recycled"] == 1
+    assert store.get(b"c") == value_of(b"c", 1000)
+
+
+def test_recycle_bytes_zero_unlinks_removed_objects(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB, recycle_bytes=0)
+    store.put(b"a", value_of(b"a"))
+    store.delete([b"a"])
+    assert store.pooled_bytes() == 0 and list((root / ".free").iterdir()) == []
+    store.put(b"b", value_of(b"b"))
+    assert store.stats()["recycled"] == 0
+
+
+def test_a_new_store_adopts_the_free_files_and_drops_malformed_ones(root):
+    first = ShmObjectStore(root, capacity_bytes=MiB)
+    first.put(b"a", value_of(b"a"))
+    first.delete([b"a"])
+    (root / ".free" / "junk").write_bytes(b"x")
+    (root / ".free" / "99-1-2-3").write_bytes(b"size in the name is wrong")
+    second = ShmObjectStore(root, capacity_bytes=MiB)
+    assert second.pooled_bytes() == HEADER.size + 4096
+    assert sorted(p.name for p in (root / ".free").iterdir()) == sorted(first._pool)
+    second.put(b"b", value_of(b"b"))
+    assert second.stats()["recycled"] == 1 and second.get(b"b") == value_of(b"b")
+
+
+def test_a_new_store_with_a_smaller_capacity_keeps_only_the_free_files_that_fit(root):
+    first = ShmObjectStore(root, capacity_bytes=MiB)
+    for key in (b"a", b"b", b"c"):
+        first.put(key, value_of(key, 1000))
+    first.delete([b"a", b"b", b"c"])
+    second = ShmObjectStore(root, capacity_bytes=2 * (HEADER.size + 1000))
+    assert second.pooled_bytes() == 2 * (HEADER.size + 1000)
+    assert len(list((root / ".free").iterdir())) == 2
 
 
 # -- capacity, TTL, reopening ------------------------------------------------------------------------------------------
@@ -327,7 +441,8 @@ WORKER = textwrap.dedent(
 
     root, worker, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     keys = [b"key-%03d" % i for i in range(48)]
-    values = {key: value_of(key, 64 * 1024 + 17 * i) for i, key in enumerate(keys)}
+    # two sizes: removed files are rewritten by puts of other keys of the same size
+    values = {key: value_of(key, 64 * 1024 + 17 * (i % 2)) for i, key in enumerate(keys)}
     store = ShmObjectStore(root, capacity_bytes=24 * 70 * 1024)
     rng = random.Random(worker)
     wrong = reads = hits = 0
@@ -344,7 +459,7 @@ WORKER = textwrap.dedent(
         if rng.random() < 0.05:
             store.delete([rng.choice(keys)])
     stats = store.stats()
-    print(wrong, reads, hits, stats["corrupt"], stats["evictions"])
+    print(wrong, reads, hits, stats["corrupt"], stats["evictions"], stats["recycled"])
     """
 )
 
@@ -362,6 +477,6 @@ def test_two_processes_sharing_a_root_never_read_a_torn_or_wrong_object(root):
     for worker in workers:
         out, _ = worker.communicate(timeout=20)
         assert worker.returncode == 0
-        wrong, reads, hits, corrupt, evictions = map(int, out.split())
+        wrong, reads, hits, corrupt, evictions, recycled = map(int, out.split())
         assert wrong == 0 and corrupt == 0
-        assert reads > 100 and hits > 0 and evictions > 0
+        assert reads > 100 and hits > 0 and evictions > 0 and recycled > 0
