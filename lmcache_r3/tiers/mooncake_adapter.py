@@ -20,6 +20,15 @@ Loaded by LMCache's stock plugin factory::
 * ``task_timeout_seconds`` (10): the watchdog fails a task still running after this long.
 * ``unhealthy_for_seconds`` (5): status stays unhealthy this long after a timeout, an exception or a failed task.
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (2 / 1 / 2).
+* ``zero_copy_min_bytes`` (512 KiB): objects at least this big are written straight from L1 to Mooncake.
+* ``direct_reads`` (false): read such objects straight into L1 as well. Faster, but a read abandoned at its bound
+  while a holder stalls mid-transfer could still write into L1 memory LMCache has reused; off unless the holders'
+  network never stalls longer than ``call_timeout_seconds``.
+
+When LMCache passes ``l1_memory_desc`` (its L1 arena), the arena is registered with the Mooncake client once, and
+objects of at least ``zero_copy_min_bytes`` in it are written from (and, with ``direct_reads``, read into) L1
+without staging copies (see
+:mod:`lmcache_r3.tiers.mooncake_store`); other objects, or all of them without a descriptor, are staged.
 
 An ``ObjectKey`` becomes the Mooncake key ``<key_prefix><model_name>@<object_group_id>@<kv_rank>@<cache_salt>@<hex
 chunk hash>``: injective, because neither the model name nor the salt may contain ``@``.
@@ -31,8 +40,10 @@ reports the others as deleted.
 
 Task completion, the watchdog, "locks" and byte accounting are :mod:`lmcache_r3.tiers.task_adapter`'s: every submitted
 task completes exactly once and signals its event fd, even when the client throws; no submit, ``delete`` or
-``unlock`` raises; a task the watchdog failed stops before touching the caller's next buffer (the store copies through
-its own staging buffers and asks before each copy into the caller's memory). Mooncake's own eviction may still drop a
+``unlock`` raises; a task the watchdog failed stops before touching the caller's next buffer (the store asks before
+each copy into, and each direct transfer into, the caller's memory; a direct read whose call was abandoned while
+the master stalled never writes into L1 afterwards). A load that fails leaves its bit 0, and LMCache does not use
+that buffer, so a direct read that fails its checksum is only a miss. Mooncake's own eviction may still drop a
 locked key, which makes its load a miss; known keys a load finds gone are counted as ``vanished_objects``.
 """
 
@@ -51,7 +62,7 @@ from lmcache_r3.tiers.task_adapter import Task, TaskL2Adapter, byte_view
 
 logger = init_logger(__name__)
 
-__all__ = ["MooncakeL2Adapter", "mooncake_key"]
+__all__ = ["MooncakeL2Adapter", "l1_region", "mooncake_key"]
 
 _ADAPTER_PARAMS = frozenset(
     "key_prefix capacity_bytes task_timeout_seconds unhealthy_for_seconds num_store_workers num_lookup_workers "
@@ -65,6 +76,21 @@ def mooncake_key(key: ObjectKey, prefix: str = "lmcache_r3/") -> str:
     return (
         f"{prefix}{key.model_name}@{key.object_group_id}@{key.kv_rank}@{key.cache_salt}@{bytes(key.chunk_hash).hex()}"
     )
+
+
+def l1_region(l1_memory_desc: Any) -> tuple[int, int] | None:
+    """``(ptr, size)`` of LMCache's L1 arena from its ``L1MemoryDesc``, or None when there is none to register.
+
+    The whole arena (``size``) is registered, as LMCache's own Mooncake adapter does: over TCP Mooncake needs no
+    pinned pages, and a transport that cannot register the arena makes the store stage every object instead.
+    """
+    if l1_memory_desc is None:
+        return None
+    ptr, size = int(l1_memory_desc.ptr), int(l1_memory_desc.size)
+    if ptr <= 0 or size <= 0:
+        logger.warning("MooncakeL2Adapter: l1_memory_desc ptr=%#x size=%d describes no memory; staging", ptr, size)
+        return None
+    return ptr, size
 
 
 def _number(params: dict[str, Any], key: str, default: float, integer: bool = False) -> Any:
@@ -96,6 +122,9 @@ class MooncakeL2Adapter(TaskL2Adapter):
             kind: max(1, _number(params, f"num_{kind}_workers", n, integer=True)) for kind, n in _WORKERS.items()
         }
         self._store = MooncakeObjectStore(settings)
+        region = l1_region(l1_memory_desc)
+        if region is not None:
+            self._store.register_region(*region)
         super().__init__(
             capacity_bytes=capacity,
             task_timeout_s=timeout,
@@ -107,11 +136,13 @@ class MooncakeL2Adapter(TaskL2Adapter):
         self._seen_recoveries = 0
         self._start_watchdog()
         logger.info(
-            "MooncakeL2Adapter: master %s (health %s), call bound %.1f s, capacity %d bytes; connecting in background",
+            "MooncakeL2Adapter: master %s (health %s), call bound %.1f s, capacity %d bytes, L1 region %s; "
+            "connecting in background",
             settings.mooncake.master_server_address,
             settings.health_url,
             settings.call_timeout_seconds,
             capacity,
+            f"{region[1]} bytes" if region else "none",
         )
 
     # -- Mooncake's operations ---------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ States:
 * ``closed``.
 
 Staging buffers (:meth:`acquire`) are numpy buffers registered with the client and reused by size, so that
-``put_from``/``get_into`` never touch a caller's memory and never need the client's ``local_buffer_size``.
+``put_from``/``get_into`` never need the client's ``local_buffer_size``. One caller memory region (LMCache's L1
+arena) may be registered as well (:meth:`register_region`): it is registered once the client is set up, and
+:attr:`region` says whether it is, so objects in it can move without staging.
 """
 
 from __future__ import annotations
@@ -185,6 +187,8 @@ class BoundedMooncakeClient:
         self._lock = threading.Lock()
         self._native: Any = None
         self._buffers: _StagingBuffers | None = None
+        self._wanted_region: tuple[int, int] | None = None
+        self._region: tuple[int, int] | None = None
         self._state = "connecting"
         self._reason = "waiting for the master's /health"
         self._down_until = 0.0
@@ -260,6 +264,24 @@ class BoundedMooncakeClient:
             self._fault(None, f"{what} got RPC_FAIL from the master", down=True)
         return codes
 
+    def when_done(self, pending: PendingCall, what: str, fn: Callable[[Any], Sequence[int]]) -> None:
+        """Run ``fn(native_client)`` on an io thread once ``pending`` (an abandoned call) returned; nobody waits."""
+        if pending.future is not None:
+            pending.future.add_done_callback(lambda _: self.submit(what, 1, fn))
+
+    def register_region(self, ptr: int, size: int) -> None:
+        """Register ``[ptr, ptr + size)`` with the client once it is set up (now, when it is already)."""
+        with self._lock:
+            self._wanted_region = (ptr, size)
+            native = self._native
+        if native is not None:
+            self._register_region(native)
+
+    @property
+    def region(self) -> tuple[int, int] | None:
+        """``(ptr, size)`` of the caller region registered with the client, or None."""
+        return self._region
+
     @property
     def max_in_flight(self) -> int:
         """How many calls one caller may keep submitted but not yet waited for (each on its own io thread)."""
@@ -294,6 +316,21 @@ class BoundedMooncakeClient:
         self._io.shutdown()
 
     # -- internals -----------------------------------------------------------------------------------------------
+    def _register_region(self, native: Any) -> None:
+        wanted = self._wanted_region
+        if wanted is None or self._region == wanted:
+            return
+        try:
+            code = native.register_buffer(*wanted)
+            outcome = f"returned {describe(code)}"
+        except Exception as err:
+            code, outcome = None, f"raised {err!r}"
+        if code == 0:
+            self._region = wanted
+            logger.info("Mooncake tier: registered the L1 region (%d bytes); its objects move unstaged", wanted[1])
+        else:
+            logger.warning("Mooncake tier: register_buffer of the L1 region (%d bytes) %s; staging", wanted[1], outcome)
+
     def _release(self, buf: np.ndarray) -> None:
         buffers = self._buffers
         if buffers is not None:
@@ -376,6 +413,7 @@ class BoundedMooncakeClient:
             if code == 0 and self._state != "closed":
                 self._native, self._state, self._reason = native, "up", ""
                 self._buffers = _StagingBuffers(native, keep_bytes=2 * self.settings.batch_bytes)
+                self._register_region(native)
                 logger.info("Mooncake tier connected to the master at %s", c.master_server_address)
                 return
             if self._state != "closed":

@@ -53,6 +53,8 @@ STORE_PARAMS = frozenset(
         "retry_after_seconds",
         "batch_bytes",
         "num_io_threads",
+        "zero_copy_min_bytes",
+        "direct_reads",
     }
 )
 """The ``adapter_params`` keys :func:`settings_from_params` reads."""
@@ -79,6 +81,14 @@ class MooncakeTierSettings:
     batch_bytes: int = 64 << 20
     """Largest staging buffer one call uses; bigger batches are split (a bigger object gets its own)."""
     num_io_threads: int = 4
+    zero_copy_min_bytes: int = 512 << 10
+    """Objects at least this big that lie in the registered L1 region move without staging; smaller ones are staged
+    (for them one transfer slice and a copy cost less than the two slices of header and payload)."""
+    direct_reads: bool = False
+    """Whether reads, not only writes, move direct into L1. Off by default: a read abandoned at its bound while a
+    holder stalls mid-transfer could still write into L1 memory LMCache has reused since (a stalled master cannot
+    cause this). A direct write is always safe: a late read of reused memory stores an object that fails its
+    checksum."""
 
 
 def parse_size(name: str, value: Any) -> int:
@@ -197,6 +207,14 @@ def settings_from_params(params: Mapping[str, Any]) -> MooncakeTierSettings:
             values[key] = float(value)
     if "batch_bytes" in params:
         values["batch_bytes"] = max(1, parse_size("adapter_params.batch_bytes", params["batch_bytes"]))
+    if "zero_copy_min_bytes" in params:
+        values["zero_copy_min_bytes"] = parse_size("adapter_params.zero_copy_min_bytes", params["zero_copy_min_bytes"])
+    if "direct_reads" in params:
+        if not isinstance(params["direct_reads"], bool):
+            raise MooncakeTierConfigError(
+                f"adapter_params.direct_reads must be true or false, got {params['direct_reads']!r}"
+            )
+        values["direct_reads"] = params["direct_reads"]
     if "num_io_threads" in params:
         threads = params["num_io_threads"]
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:

@@ -6,35 +6,61 @@ with an ambiguous empty value, and never raises for a tier failure:
 
 * ``exists`` -> 1 present, 0 absent, negative an error (only 1 means present);
 * ``put`` -> 0 stored (also when the key was already there: Mooncake keeps the first writer's value);
-* ``get_into`` -> the payload length when the object was read, checked and copied, else a negative code;
+* ``get_into`` -> the payload length when the object was read and checked into the caller's view, else a negative
+  code;
 * ``remove`` -> 0 removed, negative otherwise.
 
 Negative codes are Mooncake's (``OBJECT_NOT_FOUND`` -704, ``RPC_FAIL`` -900, ...) or those of
 :mod:`lmcache_r3.tiers.mooncake_client` (``UNAVAILABLE``, ``TIMEOUT``, ``EXCEPTION``, ``CORRUPT``, ``SIZE_MISMATCH``,
-``CANCELLED``); ``describe`` names them. Calls are bounded and the master may come and go: see that module.
+``CANCELLED``); ``describe`` names them. Every call is bounded and the master may come and go: see that module.
 
 An object is the 32-byte header of :mod:`lmcache_r3.tiers.shm_store` (magic, version, payload length, XXH3-64 of the
-payload, XXH3-64 of the header) followed by the payload. A read has ``batch_get_into`` put each object into a
-slot of a registered staging buffer exactly the size it expects (a smaller object reads short and a bigger one is
-refused: either is ``SIZE_MISMATCH``, never data), then checks header and checksum before the payload reaches the
-caller; a corrupt object is counted as ``CORRUPT`` and removed. A write copies header and payload into a staging
-buffer and hands it to ``batch_put_from``. Batches are split so one call stages at most ``batch_bytes`` (a bigger
-object goes alone, in a buffer of its size), and pipelined: while a call transfers, the batch before it is checked
-and copied out (read) or the batch after it is staged (write). Objects of any size round-trip, whatever
-the client's ``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls them).
+payload, XXH3-64 of the header) followed by the payload. Each object moves one of two ways:
+
+* *Staged* (objects under ``zero_copy_min_bytes``, or outside the registered region, or when none is registered).
+  A write copies header and payload into a registered staging buffer and hands it to ``batch_put_from``. A read has
+  ``batch_get_into`` put the object into a staging slot exactly the size it expects (a smaller object reads short
+  and a bigger one is refused: either is ``SIZE_MISMATCH``, never data), checks header and checksum there, and only
+  then copies the payload into the caller's view.
+* *Direct* (objects of at least ``zero_copy_min_bytes`` whose memory lies in the region given to
+  :meth:`MooncakeObjectStore.register_region`, LMCache's L1 arena): the payload moves straight between that memory
+  and Mooncake, the header through a 32-byte staging slot. A write hashes the payload where it lies and puts the two
+  parts with ``batch_put_from_multi_buffers``. Reads move direct only with ``direct_reads`` (off by default: see
+  the hazard below; a staged read of a directly written object is an ordinary read). A direct read is two calls: a
+  *query* (``batch_get_session_start`` and the stored sizes from ``batch_get_replica_desc``: the only part that
+  talks to the master), then, for the objects of exactly the expected size and only if the caller has not given
+  up, a *transfer* in that session
+  (``batch_get_into_multi_buffer_ranges``: header into staging, payload into the caller's memory; the master is not
+  asked again). The checksum is checked on the caller's memory; a mismatch is ``CORRUPT``, and the caller must not
+  use that memory (LMCache never uses the buffer of a failed load). Because a stalled master holds up only the
+  query, a read abandoned at its bound does not write into the caller's memory later; only a holder that stalls in
+  the middle of a transfer could. A write abandoned mid-call may read the caller's memory after the caller reused
+  it: such an object carries the checksum of the bytes it was meant to hold, fails every read, and is removed.
+
+Why both: a copy costs ~1.3 ms per 24 MiB KV object here and dominates its move, while for a 96 KiB R3 object one
+transfer slice is cheaper than two (header and payload) and its copy costs a few microseconds.
+
+A corrupt object is counted as ``CORRUPT`` and removed. Batches are split so one call moves at most ``batch_bytes``
+(a bigger object goes alone; direct writes ``DIRECT_PUT_SHARE`` times that, one call at a time), and pipelined: while
+a call transfers, the batch before it is checked and copied out (read) or the batch after it is staged or hashed
+(write). Objects of any size round-trip, whatever the client's
+``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls them).
 
 Example::
 
     store = MooncakeObjectStore(settings_from_params({"mooncake": {...}, "master_metrics_port": 9003}))
+    store.register_region(l1.ptr, l1.size)          # optional: objects in L1 then move unstaged
     store.put(["k1"], [memoryview(payload)])        # [0]
     store.get_into(["k1"], [memoryview(buffer)])    # [len(payload)], or e.g. [-704] (OBJECT_NOT_FOUND)
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -49,6 +75,7 @@ from lmcache_r3.tiers.mooncake_client import (
     OBJECT_NOT_FOUND,
     OK,
     SIZE_MISMATCH,
+    TIMEOUT,
     UNAVAILABLE,
     BoundedMooncakeClient,
     PendingCall,
@@ -57,9 +84,31 @@ from lmcache_r3.tiers.mooncake_client import (
 from lmcache_r3.tiers.mooncake_config import MooncakeTierSettings
 from lmcache_r3.tiers.shm_store import HEADER, decode_header, encode_header
 
+DIRECT_PUT_SHARE = 4
+"""A direct write moves up to this many ``batch_bytes`` a call, one call at a time: it has nothing to stage while a
+call runs, and concurrent writes over loopback slow each other down (two 48 MiB calls at once took longer than one
+96 MiB call)."""
+
 
 def _never() -> bool:
     return False
+
+
+@dataclass
+class _Call:
+    """One call's share of a batch: the caller's indices it covers and where each object's bytes go."""
+
+    group: list[int]
+    """Indices into the caller's keys."""
+    buf: np.ndarray
+    """The staging buffer: each member's slot holds header + payload when staged, the header alone when direct."""
+    offsets: list[int]
+    """Each member's slot in ``buf``."""
+    addresses: list[int | None]
+    """Each member's payload address in the caller's memory when it moves direct, else None."""
+    moved: list[int] = field(default_factory=list)
+    """Positions in ``group`` the call moves (a direct read skips objects the query found missing or resized)."""
+    pending: PendingCall | None = None
 
 
 class MooncakeObjectStore:
@@ -72,6 +121,13 @@ class MooncakeObjectStore:
         self._codes: Counter[int] = Counter()
         self._stats = dict.fromkeys(("hits", "misses", "corrupt", "bytes_written", "bytes_read"), 0)
 
+    def register_region(self, ptr: int, size: int) -> None:
+        """Let objects of at least ``zero_copy_min_bytes`` in ``[ptr, ptr + size)`` move direct (see the module).
+
+        Registered with the Mooncake client once it is set up; until then, or if that fails, objects are staged.
+        """
+        self._client.register_region(ptr, size)
+
     def exists(self, keys: Sequence[str]) -> list[int]:
         """Per key: 1 present, 0 absent, negative an error."""
         codes = self._client.call("exists", len(keys), partial(_exists, keys=list(keys)))
@@ -81,106 +137,186 @@ class MooncakeObjectStore:
     def put(self, keys: Sequence[str], payloads: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
         """Store each payload under its key; per key 0 (stored, or already there) or a negative code.
 
-        ``cancelled`` is asked before each payload is copied out of the caller's memory. Batches are pipelined: the
-        next batch is staged while the previous ones transfer.
+        ``cancelled`` is asked before each payload is staged or hashed. Batches are pipelined: the next batch is
+        staged while the previous ones transfer.
         """
         codes = [CANCELLED] * len(keys)
-        in_flight: deque[tuple[PendingCall, np.ndarray, list[int], list[int]]] = deque()
-        for group, total in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in payloads]):
-            if len(in_flight) >= self._client.max_in_flight:
-                self._put_done(*in_flight.popleft(), codes)
-            buf = self._client.acquire(total)
+        addresses = self._direct_addresses(payloads)
+        in_flight: deque[_Call] = deque()
+        weights = [
+            (HEADER.size + view.nbytes) // (1 if address is None else DIRECT_PUT_SHARE)
+            for view, address in zip(payloads, addresses, strict=True)
+        ]
+        for group, _ in batch_groups(self.settings.batch_bytes, weights):
+            direct = any(addresses[i] for i in group)
+            while in_flight and (direct or len(in_flight) >= self._client.max_in_flight):
+                self._put_done(in_flight.popleft(), payloads, codes)
+            slots = [HEADER.size + (0 if addresses[i] else payloads[i].nbytes) for i in group]
+            buf = self._client.acquire(sum(slots))
             if buf is None:
                 codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
                 continue
-            copied, ptrs, sizes, offset = [], [], [], 0
-            for i in group:
+            call = _Call([], buf, [], [])
+            staging, base, offset = memoryview(buf), buf.ctypes.data, 0
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for i, slot in zip(group, slots, strict=True):
                 if cancelled():
                     break
-                size = HEADER.size + payloads[i].nbytes
-                seal_object(memoryview(buf)[offset : offset + size], payloads[i])
-                copied.append(i)
-                ptrs.append(buf.ctypes.data + offset)
-                sizes.append(size)
-                offset += size
-            batch = [keys[i] for i in copied]
-            write = partial(_write, keys=batch, ptrs=ptrs, sizes=sizes)
-            in_flight.append((self._client.submit("put", len(batch), write, buf), buf, copied, sizes))
-            if len(copied) < len(group):
+                payload, address = payloads[i], addresses[i]
+                if address is None:
+                    seal_object(staging[offset : offset + slot], payload)
+                    ptrs.append([base + offset])
+                    sizes.append([slot])
+                else:
+                    digest = xxhash.xxh3_64_intdigest(payload)
+                    staging[offset : offset + HEADER.size] = encode_header(payload.nbytes, digest)
+                    ptrs.append([base + offset, address])
+                    sizes.append([HEADER.size, payload.nbytes])
+                call.group.append(i)
+                call.offsets.append(offset)
+                call.addresses.append(address)
+                offset += slot
+            batch = [keys[i] for i in call.group]
+            if any(call.addresses):
+                write = partial(_write_parts, keys=batch, ptrs=ptrs, sizes=sizes)
+            else:
+                write = partial(_write, keys=batch, ptrs=[p[0] for p in ptrs], sizes=[s[0] for s in sizes])
+            call.pending = self._client.submit("put", len(batch), write, buf)
+            in_flight.append(call)
+            if len(call.group) < len(group):
                 break
         while in_flight:
-            self._put_done(*in_flight.popleft(), codes)
+            self._put_done(in_flight.popleft(), payloads, codes)
         self._count(codes, absent=None)
         return codes
 
-    def _put_done(
-        self, pending: PendingCall, buf: np.ndarray, copied: list[int], sizes: list[int], codes: list[int]
-    ) -> None:
-        got = self._client.wait(pending)
-        self._client.done_with(buf, got)
-        for i, code, size in zip(copied, got, sizes, strict=True):
+    def _put_done(self, call: _Call, payloads: Sequence[memoryview], codes: list[int]) -> None:
+        got = self._client.wait(call.pending)
+        self._client.done_with(call.buf, got)
+        for i, code in zip(call.group, got, strict=True):
             codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
-            self._add("bytes_written", size if codes[i] == OK else 0)
+            self._add("bytes_written", HEADER.size + payloads[i].nbytes if codes[i] == OK else 0)
 
     def get_into(self, keys: Sequence[str], views: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
         """Read each object into its view, which must be exactly the payload's size.
 
-        Per key the payload length when read, checked and copied; else a negative code. ``cancelled`` is asked
-        before each batch is requested and before each copy into the caller's memory. Corrupt objects are removed.
-        Batches are pipelined: one batch is checked and copied while the next ones transfer.
+        Per key the payload length when read and checked; else a negative code, and then the view holds no data
+        the caller may use (a direct read may have written into it). ``cancelled`` is asked before each batch is
+        requested, before each direct transfer and before each copy into the caller's memory. Corrupt objects are
+        removed. Batches are pipelined: one batch is checked while the next ones transfer.
         """
         codes = [CANCELLED] * len(keys)
         corrupt: list[str] = []
-        in_flight: deque[tuple[PendingCall, np.ndarray, list[int], list[int], list[int]]] = deque()
-        for group, total in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
+        addresses = self._direct_addresses(views) if self.settings.direct_reads else [None] * len(views)
+        in_flight: deque[_Call] = deque()
+        for group, _ in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
             if len(in_flight) >= self._client.max_in_flight:
-                self._get_done(*in_flight.popleft(), keys, views, codes, corrupt, cancelled)
+                self._get_done(in_flight.popleft(), keys, views, codes, corrupt, cancelled)
             if cancelled():
                 break
-            buf = self._client.acquire(total)
+            slots = [HEADER.size + (0 if addresses[i] else views[i].nbytes) for i in group]
+            buf = self._client.acquire(sum(slots))
             if buf is None:
                 codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
                 continue
-            sizes = [HEADER.size + views[i].nbytes for i in group]
-            offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-            read = partial(_read, keys=[keys[i] for i in group], buf=buf, offsets=offsets, sizes=sizes)
-            in_flight.append((self._client.submit("get", len(group), read, buf), buf, group, offsets, sizes))
+            offsets = list(itertools.accumulate(slots[:-1], initial=0))
+            call = _Call(group, buf, offsets, [addresses[i] for i in group])
+            names = [keys[i] for i in group]
+            if any(call.addresses):
+                call.pending = self._start_direct_read(call, names, views, codes, cancelled)
+                if call.pending is None:
+                    self._client.done_with(buf, [])
+                    continue
+            else:
+                call.moved = list(range(len(group)))
+                read = partial(_read, keys=names, buf=buf, offsets=offsets, sizes=slots)
+                call.pending = self._client.submit("get", len(group), read, buf)
+            in_flight.append(call)
         while in_flight:
-            self._get_done(*in_flight.popleft(), keys, views, codes, corrupt, cancelled)
+            self._get_done(in_flight.popleft(), keys, views, codes, corrupt, cancelled)
         self._count(codes, absent=OBJECT_NOT_FOUND)
         if corrupt:
             self.remove(corrupt)
         return codes
 
+    def _start_direct_read(
+        self,
+        call: _Call,
+        names: list[str],
+        views: Sequence[memoryview],
+        codes: list[int],
+        cancelled: Callable[[], bool],
+    ) -> PendingCall | None:
+        """Query ``names`` (the master's part), then start the transfer of those of exactly the expected size.
+
+        Sets the codes of the others; None when nothing is transferred.
+        """
+        query = self._client.submit("query", len(names), partial(_query, keys=names))
+        stored = self._client.wait(query)
+        if stored and stored[0] == TIMEOUT:  # the session it may still open must be closed when it returns
+            self._client.when_done(query, "end session", partial(_end_session, keys=names))
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        src_offsets: list[list[int]] = []
+        base = call.buf.ctypes.data
+        for j, (i, size) in enumerate(zip(call.group, stored, strict=True)):
+            expected = HEADER.size + views[i].nbytes
+            if size != expected:
+                codes[i] = SIZE_MISMATCH if size >= 0 else size
+                continue
+            call.moved.append(j)
+            slot, address = base + call.offsets[j], call.addresses[j]
+            if address is None:
+                ptrs.append([slot])
+                sizes.append([expected])
+                src_offsets.append([0])
+            else:
+                ptrs.append([slot, address])
+                sizes.append([HEADER.size, views[i].nbytes])
+                src_offsets.append([0, HEADER.size])
+        if not call.moved or cancelled():
+            if stored and stored[0] != TIMEOUT:
+                self._client.submit("end session", 1, partial(_end_session, keys=names))
+            return None
+        moved = [names[j] for j in call.moved]
+        read = partial(_read_parts, keys=moved, ptrs=ptrs, sizes=sizes, src_offsets=src_offsets, session=names)
+        return self._client.submit("get", len(moved), read, call.buf)
+
     def _get_done(
         self,
-        pending: PendingCall,
-        buf: np.ndarray,
-        group: list[int],
-        offsets: list[int],
-        sizes: list[int],
+        call: _Call,
         keys: Sequence[str],
         views: Sequence[memoryview],
         codes: list[int],
         corrupt: list[str],
         cancelled: Callable[[], bool],
     ) -> None:
-        """Check the objects one read staged and copy the intact ones into the caller's views."""
-        got = self._client.wait(pending)
-        for i, code, offset, size in zip(group, got, offsets, sizes, strict=True):
+        """Check the objects one call moved; copy the intact staged ones into the caller's views."""
+        got = self._client.wait(call.pending)
+        staging = memoryview(call.buf)
+        for j, code in zip(call.moved, got, strict=True):
+            i, offset = call.group[j], call.offsets[j]
+            size = HEADER.size + views[i].nbytes
             if code != size:
-                # the buffer had exactly the expected size: a smaller object reads short, a bigger one is refused
+                # the object had exactly the expected size: a smaller one reads short, a bigger one is refused
                 codes[i] = SIZE_MISMATCH if code >= 0 or code == INVALID_PARAMS else code
                 continue
-            payload = open_object(memoryview(buf)[offset : offset + size])
-            if payload is None:
+            if call.addresses[j] is None:
+                payload = open_object(staging[offset : offset + size])
+                intact = payload is not None
+            else:
+                payload = None
+                intact = check_object(bytes(staging[offset : offset + HEADER.size]), views[i])
+            if not intact:
                 codes[i] = CORRUPT
                 corrupt.append(keys[i])
             elif not cancelled():
-                _copy(views[i], payload)
-                codes[i] = payload.nbytes
+                if payload is not None:
+                    _copy(views[i], payload)
+                codes[i] = views[i].nbytes
                 self._add("bytes_read", size)
-        self._client.done_with(buf, got)
+        self._client.done_with(call.buf, got)
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each key (forced past read leases); per key 0 or a negative code (-704: already gone)."""
@@ -205,6 +341,18 @@ class MooncakeObjectStore:
 
     def close(self) -> None:
         self._client.close()
+
+    def _direct_addresses(self, views: Sequence[memoryview]) -> list[int | None]:
+        """Per view, its address when it moves direct (big enough and inside the registered region), else None."""
+        region = self._client.region
+        if region is None:
+            return [None] * len(views)
+        low, high, smallest = region[0], region[0] + region[1], max(1, self.settings.zero_copy_min_bytes)
+        addresses: list[int | None] = []
+        for view in views:
+            address = np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes >= smallest else None
+            addresses.append(address if address is not None and low <= address <= high - view.nbytes else None)
+        return addresses
 
     def _count(self, codes: list[int], absent: int | None) -> None:
         """Count per-key outcomes: ``absent`` is a miss, other negative codes are errors, reads >= 0 are hits."""
@@ -257,13 +405,31 @@ def _copy(into: memoryview, data: memoryview) -> None:
         np.copyto(np.frombuffer(into, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
 
 
+def check_object(header: bytes, payload: memoryview) -> bool:
+    """Whether ``header`` (a stored object's first 32 bytes) is valid and describes ``payload``: length and checksum."""
+    decoded = decode_header(header)
+    return decoded is not None and decoded[0] == payload.nbytes and xxhash.xxh3_64_intdigest(payload) == decoded[1]
+
+
 def open_object(data: memoryview) -> memoryview | None:
     """The payload of a stored object (header + payload), or None when its header or checksum does not match."""
-    header = decode_header(bytes(data[: HEADER.size]))
-    if header is None or header[0] != data.nbytes - HEADER.size:
-        return None
     payload = data[HEADER.size :]
-    return payload if xxhash.xxh3_64_intdigest(payload) == header[1] else None
+    return payload if check_object(bytes(data[: HEADER.size]), payload) else None
+
+
+def stored_sizes(native: Any, keys: list[str]) -> list[int]:
+    """Each key's stored size (header included), or ``OBJECT_NOT_FOUND`` when it has no memory replica.
+
+    Reads ``ReplicaDescriptor.get_memory_descriptor().buffer_descriptor.size`` from ``batch_get_replica_desc``
+    (mooncake-transfer-engine 0.3.13; the direct-read tests fail loudly if that shape changes). A key Mooncake does
+    not know is absent from the answer.
+    """
+    replicas = native.batch_get_replica_desc(keys)
+    sizes = []
+    for key in keys:
+        memory = [replica for replica in replicas.get(key, ()) if replica.is_memory_replica()]
+        sizes.append(int(memory[0].get_memory_descriptor().buffer_descriptor.size) if memory else OBJECT_NOT_FOUND)
+    return sizes
 
 
 # -- what runs on the io threads (bound by partial: an abandoned call must not see the caller's next values) --------
@@ -279,6 +445,41 @@ def _write(native: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> l
     return native.batch_put_from(keys, ptrs, sizes) if keys else []
 
 
+def _write_parts(native: Any, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
+    """Each object from its parts (a staged header, the payload where it lies); per key 0 or a code."""
+    return native.batch_put_from_multi_buffers(keys, ptrs, sizes) if keys else []
+
+
 def _read(native: Any, keys: list[str], buf: np.ndarray, offsets: list[int], sizes: list[int]) -> list[int]:
     """``batch_get_into`` each key into a slot of exactly its expected size; per key bytes read or a code."""
     return native.batch_get_into(keys, [buf.ctypes.data + offset for offset in offsets], sizes)
+
+
+def _query(native: Any, keys: list[str]) -> list[int]:
+    """Open a get session on ``keys`` (the master's part of a direct read); per key its stored size or a code."""
+    started = native.batch_get_session_start(keys)
+    try:
+        sizes = stored_sizes(native, keys)
+    except BaseException:
+        native.batch_get_session_end(keys)
+        raise
+    return [size if code == OK else code for code, size in zip(started, sizes, strict=True)]
+
+
+def _read_parts(
+    native: Any,
+    keys: list[str],
+    ptrs: list[list[int]],
+    sizes: list[list[int]],
+    src_offsets: list[list[int]],
+    session: list[str],
+) -> list[int]:
+    """Move each queried object's parts from the replicas the session holds (no master call); close the session."""
+    try:
+        return native.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, src_offsets)
+    finally:
+        native.batch_get_session_end(session)
+
+
+def _end_session(native: Any, keys: list[str]) -> list[int]:
+    return [native.batch_get_session_end(keys)]

@@ -455,3 +455,191 @@ def test_a_stalled_mooncake_call_is_abandoned_within_its_bound_and_never_writes_
     client._native = faulty._client
     wait_for(lambda: adapter.report_status()["is_healthy"], 5, "healthy again")
     assert _load(adapter, 3, into) == 1 and into.data == payload
+
+
+# -- objects that move straight between LMCache's L1 and Mooncake ---------------------------------------------------
+ARENA_BYTES = 8 << 20
+
+
+class ArenaBuffer:
+    """An L1 memory object: ``byte_array`` is a slice of the arena the adapter registered."""
+
+    def __init__(self, arena: np.ndarray, offset: int, nbytes: int) -> None:
+        self.view = arena[offset : offset + nbytes]
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.view)
+
+
+@pytest.fixture
+def l1_adapter(mooncake_cluster, monkeypatch):
+    """An adapter given an ``l1_memory_desc``; every object in that arena moves direct (``zero_copy_min_bytes`` 0),
+    and the client's staged calls raise, so an object that went through staging fails its task."""
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    arena = np.zeros(ARENA_BYTES, dtype=np.uint8)
+    params = mooncake_tier(
+        mooncake_cluster, call_timeout_seconds=1.0, retry_after_seconds=0.5, zero_copy_min_bytes=0, direct_reads=True
+    )
+    desc = L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1)
+    tier = MooncakeL2Adapter(params["adapter_params"], l1_memory_desc=desc)
+    wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+    wait_for(lambda: tier._store._client.region is not None, 5, "the L1 arena registered")
+    client = tier._store._client
+    client._native = _FaultyClient(client._native, ("batch_put_from", "batch_get_into"), "raise")
+    tier.arena = arena
+    yield tier
+    while isinstance(client._native, _FaultyClient):
+        client._native = client._native._client
+    tier.close()
+
+
+def _store_objects(adapter, first: int, buffers) -> bool:
+    keys = [_key(first + j) for j in range(len(buffers))]
+    task = adapter.submit_store_task(keys, list(buffers))
+    return completed(
+        adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task)
+    ).is_successful()
+
+
+def _load_objects(adapter, first: int, buffers) -> int:
+    keys = [_key(first + j) for j in range(len(buffers))]
+    task = adapter.submit_load_task(keys, list(buffers))
+    return completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount()
+
+
+def _r3_payload(seed: int) -> bytes:
+    rows = np.random.default_rng(seed).integers(0, PROFILE.num_experts, (CHUNK, *PROFILE.row_shape))
+    return encode_run(PROFILE, 0, rows.astype(PROFILE.dtype), CHUNK)
+
+
+@pytest.mark.parametrize("kind", ["kv", "r3"])
+def test_objects_in_the_l1_arena_round_trip_byte_equal_without_staging(l1_adapter, mooncake_store, kind):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    arena, first = l1_adapter.arena, 40 if kind == "kv" else 50
+    payloads = [os.urandom(1 << 20) for _ in range(3)] if kind == "kv" else [_r3_payload(s) for s in range(4)]
+    size = len(payloads[0])
+    sources = [ArenaBuffer(arena, j * size, size) for j in range(len(payloads))]
+    for source, payload in zip(sources, payloads, strict=True):
+        source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+    assert _store_objects(l1_adapter, first, sources)
+    stored = bytes(mooncake_store.get(mooncake_key(_key(first), l1_adapter._prefix)))
+    assert len(stored) == size + 32 and stored[32:] == payloads[0]
+
+    targets = [ArenaBuffer(arena, ARENA_BYTES // 2 + j * size, size) for j in range(len(payloads))]
+    assert _load_objects(l1_adapter, first, targets) == len(payloads)
+    assert [bytes(target.view) for target in targets] == payloads
+    status = l1_adapter.report_status()
+    assert status["errors"] == 0 and status["corrupt"] == 0 and status["bytes_read"] >= len(payloads) * size
+
+
+def test_a_corrupted_object_read_straight_into_l1_is_a_counted_miss_and_is_removed(l1_adapter, mooncake_store):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
+    source = ArenaBuffer(arena, 0, len(payload))
+    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+    assert _store_objects(l1_adapter, 60, [source])
+    name = mooncake_key(_key(60), l1_adapter._prefix)
+    stored = bytearray(mooncake_store.get(name))
+    stored[1000] ^= 0x01  # one payload bit flips while the object sits in Mooncake
+    assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, bytes(stored)) == 0
+
+    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    assert _load_objects(l1_adapter, 60, [target]) == 0, "a corrupt object was reported loaded"
+    status = l1_adapter.report_status()
+    assert status["corrupt"] == 1 and status["objects"] == 0
+    assert mooncake_store.is_exist(name) == 0, "the corrupt object stayed in Mooncake"
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_an_object_of_another_size_is_never_read_into_l1(l1_adapter, mooncake_store, delta):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
+    source = ArenaBuffer(arena, 0, len(payload))
+    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+    assert _store_objects(l1_adapter, 61, [source])
+    name = mooncake_key(_key(61), l1_adapter._prefix)
+    stored = bytes(mooncake_store.get(name))
+    resized = stored + b"x" if delta > 0 else stored[:-1]  # header and checksum still describe the first bytes
+    assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, resized) == 0
+
+    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    assert _load_objects(l1_adapter, 61, [target]) == 0
+    assert not target.view.any(), "a resized object was written into L1"
+    errors = l1_adapter.report_status()["errors_by_code"]
+    assert any(code.startswith("SIZE_MISMATCH") for code in errors), errors
+    mooncake_store.remove(name, True)
+
+
+def test_objects_outside_the_l1_arena_are_staged_and_round_trip(l1_adapter):
+    client = l1_adapter._store._client
+    client._native = client._native._client  # the staged calls work again
+    payload = os.urandom(300 << 10)
+    assert _store(l1_adapter, 62, payload)
+    into = CallerBuffer(bytes(len(payload)))
+    assert _load(l1_adapter, 62, into) == 1 and into.data == payload
+    inside = ArenaBuffer(l1_adapter.arena, 0, len(payload))
+    assert _load_objects(l1_adapter, 62, [inside]) == 1 and bytes(inside.view) == payload  # and the other way
+
+
+def test_a_direct_read_abandoned_while_the_master_stalls_never_writes_into_l1_late(l1_adapter):
+    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
+    source = ArenaBuffer(arena, 0, len(payload))
+    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+    assert _store_objects(l1_adapter, 63, [source])
+    client = l1_adapter._store._client
+    faulty = _FaultyClient(client._native, ("batch_get_session_start",), "stall")
+    client._native = faulty
+    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    try:
+        (loaded, took) = timed(lambda: _load_objects(l1_adapter, 63, [target]))
+        assert loaded == 0 and took < 2, f"a stalled direct load took {took:.1f} s"
+        assert l1_adapter.report_status()["call_timeouts"] == 1
+    finally:
+        faulty.release.set()
+    time.sleep(0.5)  # the abandoned query returns now; its transfer must never start
+    assert not target.view.any(), "an abandoned direct read wrote into L1"
+    client._native = faulty._client  # the fixture's client again, whose staged calls raise
+    wait_for(lambda: l1_adapter.report_status()["state"] == "up", 5, "calls let through again")
+    assert _load_objects(l1_adapter, 63, [target]) == 1 and bytes(target.view) == payload
+
+
+def test_by_default_writes_go_straight_from_l1_and_reads_are_staged(mooncake_cluster, monkeypatch):
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    arena = np.zeros(ARENA_BYTES, dtype=np.uint8)
+    params = mooncake_tier(mooncake_cluster, call_timeout_seconds=1.0, zero_copy_min_bytes=0)
+    tier = MooncakeL2Adapter(
+        params["adapter_params"], l1_memory_desc=L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1)
+    )
+    try:
+        wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+        wait_for(lambda: tier._store._client.region is not None, 5, "the L1 arena registered")
+        client = tier._store._client
+        # a staged write or a direct read would now fail the task
+        staged_write, direct_read = "batch_put_from", "batch_get_into_multi_buffer_ranges"
+        client._native = _FaultyClient(client._native, (staged_write, direct_read), "raise")
+        payloads = [os.urandom(1 << 20) for _ in range(2)]
+        sources = [ArenaBuffer(arena, j << 20, 1 << 20) for j in range(2)]
+        for source, payload in zip(sources, payloads, strict=True):
+            source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+        assert _store_objects(tier, 70, sources)
+        targets = [ArenaBuffer(arena, ARENA_BYTES // 2 + (j << 20), 1 << 20) for j in range(2)]
+        assert _load_objects(tier, 70, targets) == 2
+        assert [bytes(target.view) for target in targets] == payloads
+    finally:
+        while isinstance(tier._store._client._native, _FaultyClient):
+            tier._store._client._native = tier._store._client._native._client
+        tier.close()
