@@ -221,6 +221,9 @@ class MooncakeL2Adapter(TaskL2Adapter):
             "recoveries": store["recoveries"],
             "bytes_written": store["bytes_written"],
             "bytes_read": store["bytes_read"],
+            "l1_region_bytes": region[1] if (region := self._store.region) else 0,
+            "direct_written": store["direct_written"],
+            "direct_read": store["direct_read"],
         }
 
     def _close_tier(self) -> None:

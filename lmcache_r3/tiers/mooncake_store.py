@@ -119,7 +119,14 @@ class MooncakeObjectStore:
         self._client = BoundedMooncakeClient(settings)
         self._lock = threading.Lock()
         self._codes: Counter[int] = Counter()
-        self._stats = dict.fromkeys(("hits", "misses", "corrupt", "bytes_written", "bytes_read"), 0)
+        self._stats = dict.fromkeys(
+            ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "direct_written", "direct_read"), 0
+        )
+
+    @property
+    def region(self) -> tuple[int, int] | None:
+        """``(ptr, size)`` of the registered L1 region, or None (not given, not yet registered, or refused)."""
+        return self._client.region
 
     def register_region(self, ptr: int, size: int) -> None:
         """Let objects of at least ``zero_copy_min_bytes`` in ``[ptr, ptr + size)`` move direct (see the module).
@@ -194,9 +201,10 @@ class MooncakeObjectStore:
     def _put_done(self, call: _Call, payloads: Sequence[memoryview], codes: list[int]) -> None:
         got = self._client.wait(call.pending)
         self._client.done_with(call.buf, got)
-        for i, code in zip(call.group, got, strict=True):
+        for i, code, address in zip(call.group, got, call.addresses, strict=True):
             codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
             self._add("bytes_written", HEADER.size + payloads[i].nbytes if codes[i] == OK else 0)
+            self._add("direct_written", int(codes[i] == OK and address is not None))
 
     def get_into(self, keys: Sequence[str], views: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
         """Read each object into its view, which must be exactly the payload's size.
@@ -316,6 +324,7 @@ class MooncakeObjectStore:
                     _copy(views[i], payload)
                 codes[i] = views[i].nbytes
                 self._add("bytes_read", size)
+                self._add("direct_read", int(call.addresses[j] is not None))
         self._client.done_with(call.buf, got)
 
     def remove(self, keys: Sequence[str]) -> list[int]:

@@ -190,6 +190,40 @@ def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_har
         harness.shutdown = lambda: None
 
 
+@pytest.mark.parametrize("direct_reads", [False, True], ids=["staged reads", "direct reads"])
+def test_kv_blocks_written_straight_from_the_servers_l1_come_back_byte_equal(
+    lmcache_server_factory, mooncake_cluster, scheduler_harness_factory, direct_reads
+):
+    from tests.support.harness import BLOCK_SIZE
+
+    server = start(lmcache_server_factory, mooncake_cluster, zero_copy_min_bytes=0, direct_reads=direct_reads)
+    harness = None
+    try:
+        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+        assert tier_status(server)["l1_region_bytes"] > 0, "the server's L1 arena was not registered"
+        harness = scheduler_harness_factory(server=server, kind="dense")
+        tokens = [10 + (7 * i + 3) % 1000 for i in range(4 * BLOCK_SIZE + 10)]
+        harness.generate([("A", tokens)])
+        saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
+        in_l1 = server.l1_counts()["total_object_count"]
+        wait_for_stored(server, in_l1)
+        assert tier_status(server)["direct_written"] >= 2, "no KV object was written straight from L1"
+        clear_l1(server)
+        harness.reset_prefix_cache()
+        harness.zero_all_blocks_but_null()
+        harness.generate([("B", tokens + [900, 901])])
+        assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from Mooncake differs"
+        status = tier_status(server)
+        assert status["hits"] >= 2 and status["corrupt"] == 0 and status["errors"] == 0
+        assert (status["direct_read"] >= 2) == direct_reads
+        assert server.l1_counts()["read_locked_count"] == 0
+    finally:  # the harness first: a connector talking to a dead server waits out its timeout
+        if harness is not None:
+            harness.shutdown()
+            harness.shutdown = lambda: None
+        server.stop()
+
+
 # -- the master comes and goes --------------------------------------------------------------------------------------
 def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_up(lmcache_server_factory, own_cluster):
     own_cluster.master.stop()
