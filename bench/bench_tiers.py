@@ -68,13 +68,13 @@ MODEL = "bench-model"
 KV_LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
 TASK_TIMEOUT_S = 120.0
-PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_direct", "raw_mooncake", "memcpy")
+PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged", "raw_mooncake", "memcpy")
 LABELS = {
     "shm": "lmcache_r3 shm tier (`ShmL2Adapter`, /dev/shm)",
     "shm_fresh": "lmcache_r3 shm tier, recycling off (`recycle_bytes: 0`: every put writes new pages)",
     "fs": "LMCache fs tier (`FSL2Adapter`, base path on /dev/shm)",
     "mooncake": "lmcache_r3 Mooncake tier (`MooncakeL2Adapter`)",
-    "mooncake_direct": "lmcache_r3 Mooncake tier, `direct_reads: true` (KV read straight into L1)",
+    "mooncake_staged": "lmcache_r3 Mooncake tier, `direct_reads: false` (every read through staging)",
     "raw_mooncake": "raw Mooncake `batch_put_from` / `batch_get_into`",
     "memcpy": "memcpy, one thread (`numpy.copyto` per object)",
 }
@@ -361,8 +361,8 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
             "key_prefix": f"bench-tier-{kind.name}/",
         }
         l1 = L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1)
-        direct = dict(params, direct_reads=True, key_prefix=f"bench-tier-direct-{kind.name}/")
-        for name, adapter_params in (("mooncake", params), ("mooncake_direct", direct)):
+        staged = dict(params, direct_reads=False, key_prefix=f"bench-tier-staged-{kind.name}/")
+        for name, adapter_params in (("mooncake", params), ("mooncake_staged", staged)):
             mooncake = MooncakeL2Adapter(adapter_params, l1)
             paths.append(AdapterPath(name, mooncake))
             deadline = time.monotonic() + 30
@@ -451,11 +451,11 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "(which owns the memory segment) run on loopback TCP, started by the benchmark; raw Mooncake moves the same "
         "bytes between registered buffers and that holder, the whole batch in one call each way, and its get has "
         "no lookup. The Mooncake tier gets an `l1_memory_desc` of the one arena holding the put and get buffers, so "
-        "objects of at least its `zero_copy_min_bytes` (512 KiB: the KV ones) are written from that memory "
-        "unstaged, while smaller ones (R3) go through its staging buffers, as do reads unless `direct_reads` is on "
-        "(its own row; a direct read first asks the master for the objects' sizes); it splits a batch into calls "
-        f"of at most its `batch_bytes`, {batch_bytes >> 20} MiB. The master keeps Mooncake's default 10 s read "
-        "lease. memcpy "
+        "objects of at least its `zero_copy_min_bytes` (512 KiB: the KV ones) are written from and read into that "
+        "memory unstaged (a direct read first asks the master for the objects' sizes), while smaller ones (R3) go "
+        "through its staging buffers; the `direct_reads: false` row stages every read. It splits a batch into "
+        f"calls of at most its `batch_bytes`, {batch_bytes >> 20} MiB. The master keeps Mooncake's default 10 s "
+        "read lease. memcpy "
         "copies each object into a preallocated, already touched buffer (put) and back (get). Every get is compared "
         "byte for byte with what was put.",
         "",
@@ -472,7 +472,7 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         cells = []
         for kind in kinds:
             f = results[kind.name][name]
-            lookup = ms(f.lookup_ms) if name in ("shm", "shm_fresh", "fs", "mooncake", "mooncake_direct") else "-"
+            lookup = ms(f.lookup_ms) if name in ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged") else "-"
             cells += [f"{f.put_gbps:.2f} GB/s ({ms(f.put_ms)})", f"{f.get_gbps:.2f} GB/s ({ms(f.get_ms)})", lookup]
         out.append(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
     out += [

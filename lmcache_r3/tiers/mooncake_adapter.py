@@ -21,9 +21,9 @@ Loaded by LMCache's stock plugin factory::
 * ``unhealthy_for_seconds`` (5): status stays unhealthy this long after a timeout, an exception or a failed task.
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (2 / 1 / 2).
 * ``zero_copy_min_bytes`` (512 KiB): objects at least this big are written straight from L1 to Mooncake.
-* ``direct_reads`` (false): read such objects straight into L1 as well. Faster, but a read abandoned at its bound
-  while a holder stalls mid-transfer could still write into L1 memory LMCache has reused; off unless the holders'
-  network never stalls longer than ``call_timeout_seconds``.
+* ``direct_reads`` (true), ``direct_read_max_seconds`` (60), ``transfer_progress_timeout_seconds`` (2): read such
+  objects straight into L1 as well; a transfer into L1 is never abandoned while it may still write there (see
+  :mod:`lmcache_r3.tiers.mooncake_store`).
 
 When LMCache passes ``l1_memory_desc`` (its L1 arena), the arena is registered with the Mooncake client once, and
 objects of at least ``zero_copy_min_bytes`` in it are written from (and, with ``direct_reads``, read into) L1
@@ -49,6 +49,7 @@ locked key, which makes its load a miss; known keys a load finds gone are counte
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -171,7 +172,12 @@ class MooncakeL2Adapter(TaskL2Adapter):
         self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any]
     ) -> Iterator[tuple[int, int | None]]:
         views = [byte_view(obj) for _, obj in zip(names, objects, strict=True)]
-        codes = self._store.get_into(names, views, cancelled=lambda: task.abandoned)
+        if self._store.reads_direct(views):  # a direct transfer into L1 is waited for, never abandoned
+            task.holding_until = time.monotonic() + self._store.settings.direct_read_max_seconds + 1.0
+        try:
+            codes = self._store.get_into(names, views, cancelled=lambda: task.abandoned)
+        finally:
+            task.holding_until = 0.0
         for i, (view, code) in enumerate(zip(views, codes, strict=True)):
             if code == view.nbytes:
                 yield i, code

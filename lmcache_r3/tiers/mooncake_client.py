@@ -28,6 +28,7 @@ arena) may be registered as well (:meth:`register_region`): it is registered onc
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -82,6 +83,11 @@ _BUFFER_ALIGN = 1 << 20
 def describe(code: int) -> str:
     """A code's name, e.g. ``describe(-704) == "OBJECT_NOT_FOUND(-704)"``."""
     return f"{_CODE_NAMES.get(code, 'OK' if code >= 0 else 'MOONCAKE_ERROR')}({code})"
+
+
+PROGRESS_TIMEOUT_ENV = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+"""Mooncake's TCP transport fails a transfer that received nothing for this many seconds (default 30), and writes
+nothing into its destination after that: the bound on a transfer this client never abandons."""
 
 
 @dataclass
@@ -229,17 +235,23 @@ class BoundedMooncakeClient:
         return self.wait(self.submit(what, n, fn, buf))
 
     def submit(
-        self, what: str, n: int, fn: Callable[[Any], Sequence[int]], buf: np.ndarray | None = None
+        self,
+        what: str,
+        n: int,
+        fn: Callable[[Any], Sequence[int]],
+        buf: np.ndarray | None = None,
+        bound_s: float | None = None,
     ) -> PendingCall:
         """Start ``fn(native_client)`` on an io thread (as :meth:`call` does) without waiting; :meth:`wait` answers.
 
-        The bound runs from here: :meth:`wait` abandons the call ``call_timeout_seconds`` after it was submitted.
+        The bound runs from here: :meth:`wait` abandons the call ``bound_s`` (default ``call_timeout_seconds``)
+        after it was submitted.
         """
         with self._lock:
             native = self._native if self._state == "up" else None
         if native is None or n == 0:
             return PendingCall(what, n, None, 0.0, buf)
-        deadline = time.monotonic() + self.settings.call_timeout_seconds
+        deadline = time.monotonic() + (self.settings.call_timeout_seconds if bound_s is None else bound_s)
         return PendingCall(what, n, self._io.submit(lambda: fn(native)), deadline, buf)
 
     def wait(self, pending: PendingCall) -> list[int]:
@@ -390,6 +402,9 @@ class BoundedMooncakeClient:
         from mooncake.store import MooncakeDistributedStore
 
         c = self.settings.mooncake
+        wanted = str(self.settings.transfer_progress_timeout_seconds)
+        if (found := os.environ.setdefault(PROGRESS_TIMEOUT_ENV, wanted)) != wanted:
+            logger.info("Mooncake tier: %s=%s (from the environment)", PROGRESS_TIMEOUT_ENV, found)
         native = MooncakeDistributedStore()
         try:
             code = native.setup(

@@ -55,6 +55,8 @@ STORE_PARAMS = frozenset(
         "num_io_threads",
         "zero_copy_min_bytes",
         "direct_reads",
+        "direct_read_max_seconds",
+        "transfer_progress_timeout_seconds",
     }
 )
 """The ``adapter_params`` keys :func:`settings_from_params` reads."""
@@ -84,11 +86,17 @@ class MooncakeTierSettings:
     zero_copy_min_bytes: int = 512 << 10
     """Objects at least this big that lie in the registered L1 region move without staging; smaller ones are staged
     (for them one transfer slice and a copy cost less than the two slices of header and payload)."""
-    direct_reads: bool = False
-    """Whether reads, not only writes, move direct into L1. Off by default: a read abandoned at its bound while a
-    holder stalls mid-transfer could still write into L1 memory LMCache has reused since (a stalled master cannot
-    cause this). A direct write is always safe: a late read of reused memory stores an object that fails its
-    checksum."""
+    direct_reads: bool = True
+    """Whether reads, not only writes, move direct into L1. A direct transfer is never abandoned while it may still
+    write into L1 (see ``direct_read_max_seconds``); a direct write is always safe (a late read of reused memory
+    stores an object that fails its checksum)."""
+    direct_read_max_seconds: float = 60.0
+    """Longest wait for a direct transfer into L1 (Mooncake's transport ends a stalled one within
+    ``transfer_progress_timeout_seconds`` of its last byte). One that outlives it is abandoned, the tier reports
+    itself unhealthy, and every later read is staged."""
+    transfer_progress_timeout_seconds: int = 2
+    """``MC_TCP_PROGRESS_TIMEOUT_SEC`` for this process's Mooncake client (unless already set): how long the TCP
+    transport waits for the next byte of a transfer before failing it and dropping the connection."""
 
 
 def parse_size(name: str, value: Any) -> int:
@@ -209,6 +217,20 @@ def settings_from_params(params: Mapping[str, Any]) -> MooncakeTierSettings:
         values["batch_bytes"] = max(1, parse_size("adapter_params.batch_bytes", params["batch_bytes"]))
     if "zero_copy_min_bytes" in params:
         values["zero_copy_min_bytes"] = parse_size("adapter_params.zero_copy_min_bytes", params["zero_copy_min_bytes"])
+    if "direct_read_max_seconds" in params:
+        value = params["direct_read_max_seconds"]
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:
+            raise MooncakeTierConfigError(
+                f"adapter_params.direct_read_max_seconds must be a number of seconds > 0, got {value!r}"
+            )
+        values["direct_read_max_seconds"] = float(value)
+    if "transfer_progress_timeout_seconds" in params:
+        value = params["transfer_progress_timeout_seconds"]
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 3600:
+            raise MooncakeTierConfigError(
+                f"adapter_params.transfer_progress_timeout_seconds must be an int of seconds >= 1, got {value!r}"
+            )
+        values["transfer_progress_timeout_seconds"] = value
     if "direct_reads" in params:
         if not isinstance(params["direct_reads"], bool):
             raise MooncakeTierConfigError(

@@ -25,17 +25,20 @@ payload, XXH3-64 of the header) followed by the payload. Each object moves one o
 * *Direct* (objects of at least ``zero_copy_min_bytes`` whose memory lies in the region given to
   :meth:`MooncakeObjectStore.register_region`, LMCache's L1 arena): the payload moves straight between that memory
   and Mooncake, the header through a 32-byte staging slot. A write hashes the payload where it lies and puts the two
-  parts with ``batch_put_from_multi_buffers``. Reads move direct only with ``direct_reads`` (off by default: see
-  the hazard below; a staged read of a directly written object is an ordinary read). A direct read is two calls: a
+  parts with ``batch_put_from_multi_buffers``. Reads move direct with ``direct_reads`` (the default; a staged read
+  of a directly written object is an ordinary read). A direct read is two calls: a
   *query* (``batch_get_session_start`` and the stored sizes from ``batch_get_replica_desc``: the only part that
   talks to the master), then, for the objects of exactly the expected size and only if the caller has not given
   up, a *transfer* in that session
   (``batch_get_into_multi_buffer_ranges``: header into staging, payload into the caller's memory; the master is not
   asked again). The checksum is checked on the caller's memory; a mismatch is ``CORRUPT``, and the caller must not
   use that memory (LMCache never uses the buffer of a failed load). Because a stalled master holds up only the
-  query, a read abandoned at its bound does not write into the caller's memory later; only a holder that stalls in
-  the middle of a transfer could. A write abandoned mid-call may read the caller's memory after the caller reused
-  it: such an object carries the checksum of the bytes it was meant to hold, fails every read, and is removed.
+  query, and the transfer is never abandoned at ``call_timeout_seconds`` (it is waited for up to
+  ``direct_read_max_seconds``; Mooncake's TCP transport fails a transfer that received nothing for
+  ``MC_TCP_PROGRESS_TIMEOUT_SEC`` and writes nothing after that), a read does not write into the caller's memory
+  after it returned. A transfer that outlives ``direct_read_max_seconds`` is abandoned and turns direct reads
+  off. A write abandoned mid-call may read the caller's memory after the caller reused it: such an object carries
+  the checksum of the bytes it was meant to hold, fails every read, and is removed.
 
 Why both: a copy costs ~1.3 ms per 24 MiB KV object here and dominates its move, while for a 96 KiB R3 object one
 transfer slice is cheaper than two (header and payload) and its copy costs a few microseconds.
@@ -66,6 +69,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from lmcache.logging import init_logger
 
 from lmcache_r3.tiers.mooncake_client import (
     CANCELLED,
@@ -83,6 +87,8 @@ from lmcache_r3.tiers.mooncake_client import (
 )
 from lmcache_r3.tiers.mooncake_config import MooncakeTierSettings
 from lmcache_r3.tiers.shm_store import HEADER, decode_header, encode_header
+
+logger = init_logger(__name__)
 
 DIRECT_PUT_SHARE = 4
 """A direct write moves up to this many ``batch_bytes`` a call, one call at a time: it has nothing to stage while a
@@ -119,9 +125,19 @@ class MooncakeObjectStore:
         self._client = BoundedMooncakeClient(settings)
         self._lock = threading.Lock()
         self._codes: Counter[int] = Counter()
+        self._direct_reads_off = False
         self._stats = dict.fromkeys(
             ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "direct_written", "direct_read"), 0
         )
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether reads of objects in the region move direct (configured, and no transfer outlived its bound)."""
+        return self.settings.direct_reads and not self._direct_reads_off
+
+    def reads_direct(self, views: Sequence[memoryview]) -> bool:
+        """Whether :meth:`get_into` of ``views`` would move any of them direct into the caller's memory."""
+        return self.direct_reads and any(self._direct_addresses(views))
 
     @property
     def region(self) -> tuple[int, int] | None:
@@ -216,7 +232,7 @@ class MooncakeObjectStore:
         """
         codes = [CANCELLED] * len(keys)
         corrupt: list[str] = []
-        addresses = self._direct_addresses(views) if self.settings.direct_reads else [None] * len(views)
+        addresses = self._direct_addresses(views) if self.direct_reads else [None] * len(views)
         in_flight: deque[_Call] = deque()
         for group, _ in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
             if len(in_flight) >= self._client.max_in_flight:
@@ -289,7 +305,8 @@ class MooncakeObjectStore:
             return None
         moved = [names[j] for j in call.moved]
         read = partial(_read_parts, keys=moved, ptrs=ptrs, sizes=sizes, src_offsets=src_offsets, session=names)
-        return self._client.submit("get", len(moved), read, call.buf)
+        # Never abandoned at the call bound: it may write into the caller's memory until it returns.
+        return self._client.submit("get", len(moved), read, call.buf, bound_s=self.settings.direct_read_max_seconds)
 
     def _get_done(
         self,
@@ -302,6 +319,14 @@ class MooncakeObjectStore:
     ) -> None:
         """Check the objects one call moved; copy the intact staged ones into the caller's views."""
         got = self._client.wait(call.pending)
+        if any(call.addresses) and got and got[0] == TIMEOUT and not self._direct_reads_off:
+            self._direct_reads_off = True
+            logger.error(
+                "Mooncake tier: a direct read into L1 ran over direct_read_max_seconds (%.0f s) and was abandoned; "
+                "it may still write into memory LMCache reuses. Every later read is staged; check the holders' "
+                "network, and restart the server to read direct again",
+                self.settings.direct_read_max_seconds,
+            )
         staging = memoryview(call.buf)
         for j, code in zip(call.moved, got, strict=True):
             i, offset = call.group[j], call.offsets[j]

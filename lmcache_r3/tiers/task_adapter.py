@@ -67,6 +67,9 @@ class Task:
     done: bool = False
     abandoned: bool = False
     """Failed by the watchdog (or by close): the job must stop touching the caller's buffers."""
+    holding_until: float = 0.0
+    """Until this ``time.monotonic()``, the watchdog leaves the task alone: the tier has a transfer into the caller's
+    memory in flight that it cannot stop, and failing the task would hand that memory back while it is written."""
 
 
 def byte_view(obj: Any) -> memoryview:
@@ -431,7 +434,8 @@ class TaskL2Adapter(L2AdapterInterface):
 
     def _fail_stalled(self) -> None:
         now = time.monotonic()
-        for task in self._abandon(lambda t: now - t.started > self._timeout, stalled_at=now):
+        stalled = lambda t: now - t.started > self._timeout and t.holding_until <= now  # noqa: E731
+        for task in self._abandon(stalled, stalled_at=now):
             logger.error(
                 "%s: %s task %d (%d keys) ran over %.1f s; failed by the watchdog",
                 type(self).__name__,

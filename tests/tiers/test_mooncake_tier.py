@@ -646,7 +646,7 @@ def test_a_direct_read_abandoned_while_the_master_stalls_never_writes_into_l1_la
     assert _load_objects(l1_adapter, 63, [target]) == 1 and bytes(target.view) == payload
 
 
-def test_by_default_writes_go_straight_from_l1_and_reads_are_staged(mooncake_cluster, monkeypatch):
+def test_with_direct_reads_off_writes_go_straight_from_l1_and_reads_are_staged(mooncake_cluster, monkeypatch):
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
 
     from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
@@ -654,7 +654,7 @@ def test_by_default_writes_go_straight_from_l1_and_reads_are_staged(mooncake_clu
     for name, value in MOONCAKE_ENV.items():
         monkeypatch.setenv(name, value)
     arena = np.zeros(ARENA_BYTES, dtype=np.uint8)
-    params = mooncake_tier(mooncake_cluster, call_timeout_seconds=1.0, zero_copy_min_bytes=0)
+    params = mooncake_tier(mooncake_cluster, call_timeout_seconds=1.0, zero_copy_min_bytes=0, direct_reads=False)
     tier = MooncakeL2Adapter(
         params["adapter_params"], l1_memory_desc=L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1)
     )
@@ -677,3 +677,52 @@ def test_by_default_writes_go_straight_from_l1_and_reads_are_staged(mooncake_clu
         while isinstance(tier._store._client._native, _FaultyClient):
             tier._store._client._native = tier._store._client._native._client
         tier.close()
+
+
+@pytest.mark.parametrize("pause_s", [1.0, 4.0], ids=["pause under the progress timeout", "pause over it"])
+def test_a_direct_read_through_a_paused_holder_is_waited_for_and_never_writes_into_l1_late(
+    tmp_path, monkeypatch, pause_s
+):
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    size = 384 << 20  # big enough that the holder is paused mid-transfer
+    cluster = start_mooncake(tmp_path / "mooncake", segment=f"{(size >> 20) + 128}MB", lease_ms=None)
+    REGISTRY.add(cluster.master)
+    REGISTRY.add(cluster.holder)
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "2")
+    arena = np.zeros(2 * size, dtype=np.uint8)
+    params = mooncake_tier(
+        cluster, call_timeout_seconds=0.5, task_timeout_seconds=1.0, zero_copy_min_bytes=0, direct_reads=True
+    )["adapter_params"]
+    tier = MooncakeL2Adapter(params, L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1))
+    resume = threading.Timer(pause_s, lambda: os.kill(cluster.holder.pid, signal.SIGCONT))
+    try:
+        wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+        wait_for(lambda: tier._store.region is not None, 5, "the L1 arena registered")
+        source, target = ArenaBuffer(arena, 0, size), ArenaBuffer(arena, size, size)
+        source.view[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+        assert _store_objects(tier, 80, [source])
+
+        threading.Timer(0.03, lambda: os.kill(cluster.holder.pid, signal.SIGSTOP)).start()
+        resume.start()
+        loaded, took = timed(lambda: _load_objects(tier, 80, [target]))
+        # Never abandoned at the call bound (0.5 s) nor by the watchdog (1 s) while it could write into L1.
+        assert took > 0.9, f"the direct read returned after {took:.2f} s, before the paused holder could answer"
+        if loaded:
+            assert np.array_equal(target.view, source.view), "a direct read came back with other bytes"
+        else:
+            target.view[:] = 0xA5  # LMCache reuses the memory of a failed load
+            resume.join()
+            time.sleep(1.5)
+            assert (target.view == 0xA5).all(), "a failed direct read wrote into L1 after it returned"
+        if pause_s < 2:
+            assert loaded == 1, "a pause under the transport's progress timeout must not fail the read"
+    finally:
+        resume.cancel()
+        os.kill(cluster.holder.pid, signal.SIGCONT)
+        tier.close()
+        cluster.stop()
