@@ -64,7 +64,11 @@ def summarize_status(status: dict) -> dict:
     return summary
 
 
-TIER_COUNTERS = ("hits", "misses", "bytes", "errors", "evictions", "corrupt", "objects", "capacity_bytes")
+TIER_COUNTERS = (
+    *("hits", "misses", "bytes", "errors", "evictions", "corrupt", "objects", "capacity_bytes"),
+    *("raced", "recycled", "pooled_bytes"),  # the shm tier's recycled files
+    *("l1_region_bytes", "direct_written", "direct_read"),  # the Mooncake tier's moves straight from and into L1
+)
 
 
 def _tier_summary(adapter: dict) -> dict:
