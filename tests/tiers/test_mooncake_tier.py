@@ -164,27 +164,33 @@ def test_an_object_four_times_the_client_local_buffer_round_trips(tier_server):
     assert status["bytes_read"] - before["bytes_read"] >= rows.nbytes and status["errors"] == 0
 
 
-def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_harness_factory):
+def round_trip_kv(server, harness, seed: int) -> tuple[dict, dict]:
+    """Generate a prompt of 2 full chunks + a partial tail (its KV stored behind L1), clear L1 and vLLM's cache,
+    generate again: the KV must come back byte-equal from the tier. The tier's status before and after."""
     from tests.support.harness import BLOCK_SIZE
 
+    before = tier_status(server)
+    tokens = [10 + (5 * i + seed) % 1000 for i in range(4 * BLOCK_SIZE + 10)]
+    harness.generate([("A", tokens)])
+    saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
+    in_l1 = server.l1_counts()["total_object_count"]
+    assert in_l1 >= 2
+    wait_for_stored(server, before["counters"]["stored_objects"] + in_l1)  # the tier writes behind L1
+    clear_l1(server)
+
+    harness.reset_prefix_cache()
+    harness.zero_all_blocks_but_null()
+    harness.generate([("B", tokens + [900, 901])])
+    assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from Mooncake differs"
+    assert server.l1_counts()["read_locked_count"] == 0
+    return before, tier_status(server)
+
+
+def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_harness_factory):
     harness = scheduler_harness_factory(server=tier_server, kind="dense")
     try:
-        before = tier_status(tier_server)
-        tokens = [10 + (5 * i + 11) % 1000 for i in range(4 * BLOCK_SIZE + 10)]  # 2 full chunks + a partial tail
-        harness.generate([("A", tokens)])
-        saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
-        in_l1 = tier_server.l1_counts()["total_object_count"]
-        assert in_l1 >= 2
-        wait_for_stored(tier_server, before["counters"]["stored_objects"] + in_l1)  # the tier writes behind L1
-        clear_l1(tier_server)
-
-        harness.reset_prefix_cache()
-        harness.zero_all_blocks_but_null()
-        harness.generate([("B", tokens + [900, 901])])
-        assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from Mooncake differs"
-        status = tier_status(tier_server)
+        before, status = round_trip_kv(tier_server, harness, seed=11)
         assert status["hits"] - before["hits"] >= 2 and status["corrupt"] == 0 and status["is_healthy"]
-        assert tier_server.l1_counts()["read_locked_count"] == 0
     finally:  # before the server goes: a connector talking to a dead server waits out its timeout
         harness.shutdown()
         harness.shutdown = lambda: None
@@ -194,29 +200,16 @@ def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_har
 def test_kv_blocks_written_straight_from_the_servers_l1_come_back_byte_equal(
     lmcache_server_factory, mooncake_cluster, scheduler_harness_factory, direct_reads
 ):
-    from tests.support.harness import BLOCK_SIZE
-
     server = start(lmcache_server_factory, mooncake_cluster, zero_copy_min_bytes=0, direct_reads=direct_reads)
     harness = None
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
         assert tier_status(server)["l1_region_bytes"] > 0, "the server's L1 arena was not registered"
         harness = scheduler_harness_factory(server=server, kind="dense")
-        tokens = [10 + (7 * i + 3) % 1000 for i in range(4 * BLOCK_SIZE + 10)]
-        harness.generate([("A", tokens)])
-        saved = harness.attention_bytes(harness.block_tables["A"][0][:4])
-        in_l1 = server.l1_counts()["total_object_count"]
-        wait_for_stored(server, in_l1)
-        assert tier_status(server)["direct_written"] >= 2, "no KV object was written straight from L1"
-        clear_l1(server)
-        harness.reset_prefix_cache()
-        harness.zero_all_blocks_but_null()
-        harness.generate([("B", tokens + [900, 901])])
-        assert harness.attention_bytes(harness.block_tables["B"][0][:4]) == saved, "KV from Mooncake differs"
-        status = tier_status(server)
-        assert status["hits"] >= 2 and status["corrupt"] == 0 and status["errors"] == 0
+        _, status = round_trip_kv(server, harness, seed=3)
+        assert status["direct_written"] >= 2, "no KV object was written straight from L1"
         assert (status["direct_read"] >= 2) == direct_reads
-        assert server.l1_counts()["read_locked_count"] == 0
+        assert status["hits"] >= 2 and status["corrupt"] == 0 and status["errors"] == 0
     finally:  # the harness first: a connector talking to a dead server waits out its timeout
         if harness is not None:
             harness.shutdown()
@@ -573,19 +566,26 @@ def test_objects_in_the_l1_arena_round_trip_byte_equal_without_staging(l1_adapte
     assert status["errors"] == 0 and status["corrupt"] == 0 and status["bytes_read"] >= len(payloads) * size
 
 
-def test_a_corrupted_object_read_straight_into_l1_is_a_counted_miss_and_is_removed(l1_adapter, mooncake_store):
+def _stored_from_the_arena(adapter, mooncake_store, index: int, size: int) -> tuple[str, bytes]:
+    """Store ``size`` random bytes from the start of the adapter's arena under key ``index``; the Mooncake key and
+    the object as Mooncake holds it (header + payload)."""
     from lmcache_r3.tiers.mooncake_adapter import mooncake_key
 
-    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
-    source = ArenaBuffer(arena, 0, len(payload))
-    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
-    assert _store_objects(l1_adapter, 60, [source])
-    name = mooncake_key(_key(60), l1_adapter._prefix)
-    stored = bytearray(mooncake_store.get(name))
+    source = ArenaBuffer(adapter.arena, 0, size)
+    source.view[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    assert _store_objects(adapter, index, [source])
+    name = mooncake_key(_key(index), adapter._prefix)
+    return name, bytes(mooncake_store.get(name))
+
+
+def test_a_corrupted_object_read_straight_into_l1_is_a_counted_miss_and_is_removed(l1_adapter, mooncake_store):
+    size = 256 << 10
+    name, stored = _stored_from_the_arena(l1_adapter, mooncake_store, 60, size)
+    stored = bytearray(stored)
     stored[1000] ^= 0x01  # one payload bit flips while the object sits in Mooncake
     assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, bytes(stored)) == 0
 
-    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    target = ArenaBuffer(l1_adapter.arena, ARENA_BYTES // 2, size)
     assert _load_objects(l1_adapter, 60, [target]) == 0, "a corrupt object was reported loaded"
     status = l1_adapter.report_status()
     assert status["corrupt"] == 1 and status["objects"] == 0
@@ -594,18 +594,12 @@ def test_a_corrupted_object_read_straight_into_l1_is_a_counted_miss_and_is_remov
 
 @pytest.mark.parametrize("delta", [-1, 1])
 def test_an_object_of_another_size_is_never_read_into_l1(l1_adapter, mooncake_store, delta):
-    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
-
-    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
-    source = ArenaBuffer(arena, 0, len(payload))
-    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
-    assert _store_objects(l1_adapter, 61, [source])
-    name = mooncake_key(_key(61), l1_adapter._prefix)
-    stored = bytes(mooncake_store.get(name))
+    size = 256 << 10
+    name, stored = _stored_from_the_arena(l1_adapter, mooncake_store, 61, size)
     resized = stored + b"x" if delta > 0 else stored[:-1]  # header and checksum still describe the first bytes
     assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, resized) == 0
 
-    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    target = ArenaBuffer(l1_adapter.arena, ARENA_BYTES // 2, size)
     assert _load_objects(l1_adapter, 61, [target]) == 0
     assert not target.view.any(), "a resized object was written into L1"
     errors = l1_adapter.report_status()["errors_by_code"]
