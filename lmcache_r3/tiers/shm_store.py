@@ -55,6 +55,7 @@ Example::
 from __future__ import annotations
 
 import base64
+import functools
 import itertools
 import os
 import stat
@@ -244,7 +245,8 @@ class ShmObjectStore:
         self._sizes: OrderedDict[bytes, int] = OrderedDict()
         """File size of every object this store knows of, least recently used first."""
         self._used = 0
-        self._free = self.root / FREE_DIR
+        self._root = str(self.root)
+        self._free = os.path.join(self._root, FREE_DIR)
         self._pool: OrderedDict[str, int] = OrderedDict()
         """Size of every free file this store knows of under ``ROOT/.free``, oldest first."""
         self._pool_by_size: dict[int, dict[str, None]] = {}
@@ -288,7 +290,7 @@ class ShmObjectStore:
             )
         if self._adopt_existing(key, path):
             return False
-        temp = self.root / f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
+        temp = os.path.join(self._root, f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}")
         recycled = self._make_room(file_size, keep=key, claim_as=temp)
         header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))))
         if recycled:
@@ -305,9 +307,8 @@ class ShmObjectStore:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            path.parent.mkdir(mode=ROOT_MODE, exist_ok=True)
             try:
-                os.link(temp, path)
+                _link(temp, path)
             except FileExistsError:
                 self._adopt_existing(key, path)
                 return False
@@ -361,7 +362,7 @@ class ShmObjectStore:
 
     def exists(self, key: bytes) -> bool:
         """Whether an object is published under ``key`` (its checksum is checked only when it is read)."""
-        return self._path(key).exists()
+        return os.path.exists(self._path(key))
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove the objects of ``keys``; the number removed. Never raises: missing or invalid keys are skipped."""
@@ -443,9 +444,10 @@ class ShmObjectStore:
 
     # -- internals -------------------------------------------------------------------------------------------------
 
-    def _path(self, key: bytes) -> Path:
-        name = object_name(key)
-        return self.root / shard_of(bytes(key)) / name
+    def _path(self, key: bytes) -> str:
+        if type(key) is not bytes:
+            key = bytes(key) if isinstance(key, bytearray) else object_name(key)  # the latter raises
+        return os.path.join(self._root, _relative_path(key))
 
     def _object_names(self) -> Iterator[tuple[str, str]]:
         with os.scandir(self.root) as shards:
@@ -477,7 +479,7 @@ class ShmObjectStore:
             raise _Corrupt
         return decoded
 
-    def _make_room(self, incoming: int, keep: bytes, claim_as: Path) -> bool:
+    def _make_room(self, incoming: int, keep: bytes, claim_as: str) -> bool:
         """Make room for a file of ``incoming`` bytes; True when a file of that size now sits at ``claim_as``.
 
         The file comes from the free files if one has the size, else from an evicted object of that size. Room is
@@ -501,7 +503,7 @@ class ShmObjectStore:
                 victims.append((key, size))
             self._stats["evictions"] += len(victims)
         for name in free_files:
-            _unlink_quietly(self._free / name)
+            _unlink_quietly(os.path.join(self._free, name))
         for key, size in victims:
             path = self._path(key)
             if not claimed and size == incoming:
@@ -516,7 +518,7 @@ class ShmObjectStore:
 
     # -- free files ------------------------------------------------------------------------------------------------
 
-    def _claim_free(self, size: int, claim_as: Path) -> bool:
+    def _claim_free(self, size: int, claim_as: str) -> bool:
         """Rename a free file of exactly ``size`` bytes to ``claim_as``; False when this store knows of none."""
         while True:
             with self._lock:
@@ -527,12 +529,12 @@ class ShmObjectStore:
                 del self._pool[name]
                 self._unpool(name, size)
             try:
-                os.rename(self._free / name, claim_as)
+                os.rename(os.path.join(self._free, name), claim_as)
                 return True
             except FileNotFoundError:
                 continue  # another store on this root claimed it first
 
-    def _retire(self, path: Path) -> int:
+    def _retire(self, path: str) -> int:
         """Take the object at ``path`` out of the store: into the free files if they have room, else unlinked.
 
         Returns 1 if this call removed it, 0 if it was already gone.
@@ -553,7 +555,7 @@ class ShmObjectStore:
             except FileNotFoundError:
                 return 0
         try:
-            os.rename(path, self._free / name)
+            os.rename(path, os.path.join(self._free, name))
             return 1
         except FileNotFoundError:
             with self._lock:
@@ -575,7 +577,7 @@ class ShmObjectStore:
                 if stat.S_ISREG(info.st_mode) and size_text.isdigit() and int(size_text) == info.st_size:
                     found.append((info.st_mtime, entry.name, info.st_size))
                 else:
-                    _unlink_quietly(Path(entry.path))
+                    _unlink_quietly(entry.path)
         found.sort()
         dropped = []
         with self._lock:
@@ -588,7 +590,7 @@ class ShmObjectStore:
                 else:
                     dropped.append(name)
         for name in dropped:
-            _unlink_quietly(self._free / name)
+            _unlink_quietly(os.path.join(self._free, name))
 
     def _pool_file(self, name: str, size: int) -> None:
         """Count a free file (the caller holds the lock)."""
@@ -604,7 +606,7 @@ class ShmObjectStore:
             del self._pool_by_size[size]
         self._pooled -= size
 
-    def _adopt_existing(self, key: bytes, path: Path) -> bool:
+    def _adopt_existing(self, key: bytes, path: str) -> bool:
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
@@ -639,7 +641,7 @@ class ShmObjectStore:
         self._forget(key)
         return None
 
-    def _corrupt(self, key: bytes, path: Path, fd: int) -> None:
+    def _corrupt(self, key: bytes, path: str, fd: int) -> None:
         opened = os.fstat(fd)
         try:
             current = os.stat(path)
@@ -691,7 +693,22 @@ def _read_into(fd: int, target: memoryview, length: int) -> memoryview:
     return view
 
 
-def _unlink_quietly(path: Path) -> None:
+@functools.lru_cache(maxsize=1 << 16)
+def _relative_path(key: bytes) -> str:
+    """``<shard>/<name>`` of a key (base32 is slow in Python, and a key is looked up many times)."""
+    return f"{shard_of(key)}/{object_name(key)}"
+
+
+def _link(temp: str, path: str) -> None:
+    """``os.link``, creating the shard directory the first time it is needed."""
+    try:
+        os.link(temp, path)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), mode=ROOT_MODE, exist_ok=True)
+        os.link(temp, path)
+
+
+def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
