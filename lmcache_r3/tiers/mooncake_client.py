@@ -277,7 +277,8 @@ class BoundedMooncakeClient:
         return codes
 
     def when_done(self, pending: PendingCall, what: str, fn: Callable[[Any], Sequence[int]]) -> None:
-        """Run ``fn(native_client)`` on an io thread once ``pending`` (an abandoned call) returned; nobody waits."""
+        """Run ``fn(native_client)`` on an io thread once ``pending`` returned (whether or not anyone still waits for
+        it); nobody waits for ``fn``."""
         if pending.future is not None:
             pending.future.add_done_callback(lambda _: self.submit(what, 1, fn))
 

@@ -304,9 +304,16 @@ class MooncakeObjectStore:
                 self._client.submit("end session", 1, partial(_end_session, keys=names))
             return None
         moved = [names[j] for j in call.moved]
-        read = partial(_read_parts, keys=moved, ptrs=ptrs, sizes=sizes, src_offsets=src_offsets, session=names)
-        # Never abandoned at the call bound: it may write into the caller's memory until it returns.
-        return self._client.submit("get", len(moved), read, call.buf, bound_s=self.settings.direct_read_max_seconds)
+        read = partial(_read_parts, keys=moved, ptrs=ptrs, sizes=sizes, src_offsets=src_offsets)
+        # Never abandoned at the call bound: it may write into the caller's memory until it returns. The session is
+        # ended by a call of its own afterwards, which nobody waits for: ending it asks the master, which may stall.
+        pending = self._client.submit("get", len(moved), read, call.buf, bound_s=self.settings.direct_read_max_seconds)
+        end = partial(_end_session, keys=names)
+        if pending.future is None:
+            self._client.submit("end session", 1, end)
+        else:
+            self._client.when_done(pending, "end session", end)
+        return pending
 
     def _get_done(
         self,
@@ -501,18 +508,10 @@ def _query(native: Any, keys: list[str]) -> list[int]:
 
 
 def _read_parts(
-    native: Any,
-    keys: list[str],
-    ptrs: list[list[int]],
-    sizes: list[list[int]],
-    src_offsets: list[list[int]],
-    session: list[str],
+    native: Any, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], src_offsets: list[list[int]]
 ) -> list[int]:
-    """Move each queried object's parts from the replicas the session holds (no master call); close the session."""
-    try:
-        return native.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, src_offsets)
-    finally:
-        native.batch_get_session_end(session)
+    """Move each queried object's parts from the replicas its session holds (no master call)."""
+    return native.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, src_offsets)
 
 
 def _end_session(native: Any, keys: list[str]) -> list[int]:

@@ -720,3 +720,21 @@ def test_a_direct_read_through_a_paused_holder_is_waited_for_and_never_writes_in
         os.kill(cluster.holder.pid, signal.SIGCONT)
         tier.close()
         cluster.stop()
+
+
+def test_a_direct_read_is_served_at_once_while_ending_its_session_stalls_on_the_master(l1_adapter):
+    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
+    source = ArenaBuffer(arena, 0, len(payload))
+    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
+    assert _store_objects(l1_adapter, 64, [source])
+    client = l1_adapter._store._client
+    faulty = _FaultyClient(client._native, ("batch_get_session_end",), "stall")
+    client._native = faulty
+    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+    try:
+        (loaded, took) = timed(lambda: _load_objects(l1_adapter, 64, [target]))
+        assert loaded == 1 and bytes(target.view) == payload
+        assert took < 1.0, f"the load waited {took:.1f} s for the master to end its session"
+    finally:
+        faulty.release.set()
+        client._native = faulty._client
