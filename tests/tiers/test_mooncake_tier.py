@@ -6,6 +6,7 @@ and a Mooncake client that throws or stalls."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -618,24 +619,36 @@ def test_objects_outside_the_l1_arena_are_staged_and_round_trip(l1_adapter):
     assert _load_objects(l1_adapter, 62, [inside]) == 1 and bytes(inside.view) == payload  # and the other way
 
 
-def test_a_direct_read_abandoned_while_the_master_stalls_never_writes_into_l1_late(l1_adapter):
-    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
+def _arena_object_and_target(adapter, index: int) -> tuple[bytes, ArenaBuffer]:
+    """Store 256 KiB of random bytes from the adapter's arena under key ``index``; them, and an empty load target."""
+    arena, payload = adapter.arena, os.urandom(256 << 10)
     source = ArenaBuffer(arena, 0, len(payload))
     source.view[:] = np.frombuffer(payload, dtype=np.uint8)
-    assert _store_objects(l1_adapter, 63, [source])
-    client = l1_adapter._store._client
-    faulty = _FaultyClient(client._native, ("batch_get_session_start",), "stall")
+    assert _store_objects(adapter, index, [source])
+    return payload, ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
+
+
+@contextlib.contextmanager
+def _stalling(adapter, method: str):
+    """Within the block, the adapter's Mooncake ``method`` blocks until the block ends."""
+    client = adapter._store._client
+    faulty = _FaultyClient(client._native, (method,), "stall")
     client._native = faulty
-    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
     try:
+        yield
+    finally:
+        faulty.release.set()
+        client._native = faulty._client  # the fixture's client again, whose staged calls raise
+
+
+def test_a_direct_read_abandoned_while_the_master_stalls_never_writes_into_l1_late(l1_adapter):
+    payload, target = _arena_object_and_target(l1_adapter, 63)
+    with _stalling(l1_adapter, "batch_get_session_start"):
         (loaded, took) = timed(lambda: _load_objects(l1_adapter, 63, [target]))
         assert loaded == 0 and took < 2, f"a stalled direct load took {took:.1f} s"
         assert l1_adapter.report_status()["call_timeouts"] == 1
-    finally:
-        faulty.release.set()
     time.sleep(0.5)  # the abandoned query returns now; its transfer must never start
     assert not target.view.any(), "an abandoned direct read wrote into L1"
-    client._native = faulty._client  # the fixture's client again, whose staged calls raise
     wait_for(lambda: l1_adapter.report_status()["state"] == "up", 5, "calls let through again")
     assert _load_objects(l1_adapter, 63, [target]) == 1 and bytes(target.view) == payload
 
@@ -723,18 +736,8 @@ def test_a_direct_read_through_a_paused_holder_is_waited_for_and_never_writes_in
 
 
 def test_a_direct_read_is_served_at_once_while_ending_its_session_stalls_on_the_master(l1_adapter):
-    arena, payload = l1_adapter.arena, os.urandom(256 << 10)
-    source = ArenaBuffer(arena, 0, len(payload))
-    source.view[:] = np.frombuffer(payload, dtype=np.uint8)
-    assert _store_objects(l1_adapter, 64, [source])
-    client = l1_adapter._store._client
-    faulty = _FaultyClient(client._native, ("batch_get_session_end",), "stall")
-    client._native = faulty
-    target = ArenaBuffer(arena, ARENA_BYTES // 2, len(payload))
-    try:
+    payload, target = _arena_object_and_target(l1_adapter, 64)
+    with _stalling(l1_adapter, "batch_get_session_end"):
         (loaded, took) = timed(lambda: _load_objects(l1_adapter, 64, [target]))
         assert loaded == 1 and bytes(target.view) == payload
         assert took < 1.0, f"the load waited {took:.1f} s for the master to end its session"
-    finally:
-        faulty.release.set()
-        client._native = faulty._client
