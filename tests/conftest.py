@@ -88,6 +88,16 @@ def r3_server(lmcache_server_factory):
     return lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),))
 
 
+@pytest.fixture
+def own_r3_server(lmcache_server_factory):
+    """Like ``r3_server``, for one test: a test that asserts every lock is released counts only its own."""
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    server = lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def r3_server_with_fs_tier(lmcache_server_factory, tmp_path_factory):
     """Like ``r3_server``, with a stock LMCache fs L2 tier below L1."""

@@ -182,10 +182,11 @@ def test_a_request_aborted_mid_prefill_publishes_only_complete_chunks(r3_harness
         np.testing.assert_array_equal(chunk.rows, expected)
 
 
-def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(r3_harness, r3_server):
+def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(own_r3_server, scheduler_harness_factory):
     from lmcache_r3.mp.r3_client import R3Client
 
-    harness = r3_harness()
+    r3_server = own_r3_server
+    harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=True)
     connector = harness.scheduler.connector
     tokens = prompt(4 * CHUNK + 9, seed=8)
     harness.generate([("first", tokens)], max_tokens=3)

@@ -43,7 +43,8 @@ def kv_hit_tokens(harness, request_id: str, tokens: list[int]) -> int:
     return hit
 
 
-def test_deleting_r3_alone_shrinks_the_joint_hit(scheduler_harness_factory, r3_server):
+def test_deleting_r3_alone_shrinks_the_joint_hit(own_r3_server, scheduler_harness_factory):
+    r3_server = own_r3_server
     harness = scheduler_harness_factory(kind="dense", server=r3_server)
     model_name = harness.scheduler.connector.scheduler_adapter.model_name
     tokens = [10 + (7 * i) % 900 for i in range(4 * CHUNK + 3)]

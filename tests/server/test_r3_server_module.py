@@ -51,13 +51,15 @@ def store_rows(client: R3Client, tokens, rows, start=0, **kw):
     return client.store(tokens, start, objects, end=start + len(rows[start:]), **kw).result()
 
 
-def test_store_then_fetch_returns_the_same_rows_from_l1(client, r3_server):
+def test_store_then_fetch_returns_the_same_rows_from_l1(own_r3_server):
+    r3_server = own_r3_server
     tokens = tokens_for(1, 4 * CHUNK)
     rows = rows_for(1, 4 * CHUNK)
-    stored = store_rows(client, tokens, rows)
-    assert (stored.num_chunks, stored.num_stored) == (4, 4)
-    assert wait_for_hit(client, tokens, 4) == 4
-    fetched = client.fetch(tokens).result()
+    with R3Client(r3_server.url, MODEL, PROFILE) as client:
+        stored = store_rows(client, tokens, rows)
+        assert (stored.num_chunks, stored.num_stored) == (4, 4)
+        assert wait_for_hit(client, tokens, 4) == 4
+        fetched = client.fetch(tokens).result()
     assert fetched.num_hit_chunks == 4
     decoded = decode_run(fetched.objects, PROFILE, 0, CHUNK)
     assert decoded.error is None
@@ -207,7 +209,8 @@ def test_objects_of_another_profile_under_the_same_key_are_a_miss(client, r3_ser
         assert reader.fetch(tokens).result().objects == b""
 
 
-def test_eight_concurrent_clients_on_overlapping_prefixes_only_ever_read_what_was_stored(r3_server):
+def test_eight_concurrent_clients_on_overlapping_prefixes_only_ever_read_what_was_stored(own_r3_server):
+    r3_server = own_r3_server
     shared = tokens_for(11, 2 * CHUNK)
     shared_rows = rows_for(11, 2 * CHUNK)
     errors: list[str] = []
