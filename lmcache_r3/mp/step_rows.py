@@ -18,8 +18,6 @@ import numpy as np
 
 from lmcache_r3.artifacts import R3Profile, gather_narrow, narrow_rows
 
-_INT64 = np.dtype(np.int64)
-
 
 class StepRowsError(ValueError):
     """The slot mapping and the capture buffer of a step do not describe the same tokens."""
@@ -43,9 +41,7 @@ def narrow_step(slot_mapping: Any, captured: Any, profile: R3Profile) -> tuple[n
         StepRowsError: fewer captured rows than tokens.
         GatherNarrowError: an expert id outside the profile.
     """
-    slots = slot_mapping if type(slot_mapping) is np.ndarray and slot_mapping.dtype == _INT64 else None
-    if slots is None:
-        slots = np.asarray(slot_mapping, dtype=np.int64)
+    slots = np.asarray(slot_mapping, dtype=np.int64)  # no copy when it already is an int64 array
     if slots.ndim != 1:
         raise StepRowsError(f"slot_mapping must be 1-D, got shape {slots.shape}")
     num_tokens = slots.shape[0]
@@ -59,7 +55,7 @@ def narrow_step(slot_mapping: Any, captured: Any, profile: R3Profile) -> tuple[n
         index = np.flatnonzero(real) if padded else np.arange(num_tokens)
         rows = gather_narrow(captured, index, profile).get()  # one device -> host copy of the narrowed rows
     else:
-        step = (captured if type(captured) is np.ndarray else np.asarray(captured))[:num_tokens]
+        step = np.asarray(captured)[:num_tokens]
         selected = step[real] if padded else step
         rows = narrow_rows(selected, profile)
         if rows is selected and not padded:

@@ -290,7 +290,7 @@ class ShmObjectStore:
             )
         if self._adopt_existing(key, path):
             return False
-        temp = os.path.join(self._root, f"{TEMP_PREFIX}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}")
+        temp = os.path.join(self._root, self._unique_name(TEMP_PREFIX))
         recycled = self._make_room(file_size, keep=key, claim_as=temp)
         header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))))
         if recycled:
@@ -544,9 +544,9 @@ class ShmObjectStore:
         except FileNotFoundError:
             return 0
         with self._lock:
-            keep = self._pooled + size <= self.recycle_bytes and self._used + self._pooled + size <= self.capacity_bytes
+            keep = self._pool_has_room(size)
             if keep:
-                name = f"{size}-{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
+                name = self._unique_name(f"{size}-")
                 self._pool_file(name, size)  # reserved before the rename, so concurrent retires stay in budget
         if not keep:
             try:
@@ -582,15 +582,21 @@ class ShmObjectStore:
         dropped = []
         with self._lock:
             for _, name, size in found:
-                if (
-                    self._pooled + size <= self.recycle_bytes
-                    and self._used + self._pooled + size <= self.capacity_bytes
-                ):
+                if self._pool_has_room(size):
                     self._pool_file(name, size)
                 else:
                     dropped.append(name)
         for name in dropped:
             _unlink_quietly(os.path.join(self._free, name))
+
+    def _pool_has_room(self, size: int) -> bool:
+        """Whether a free file of ``size`` bytes fits the recycling budget and the capacity (the caller holds the
+        lock)."""
+        return self._pooled + size <= self.recycle_bytes and self._used + self._pooled + size <= self.capacity_bytes
+
+    def _unique_name(self, prefix: str) -> str:
+        """``<prefix><pid>-<n>-<random>``: unique among every store on the root (temp files and free files)."""
+        return f"{prefix}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
 
     def _pool_file(self, name: str, size: int) -> None:
         """Count a free file (the caller holds the lock)."""

@@ -102,7 +102,8 @@ def test_a_shm_tier_from_the_config_file_serves_r3_after_l1_is_cleared(tmp_path,
         (tier,) = json.loads(inspect.stdout)["tiers"]
         assert tier["type"] == "ShmL2Adapter" and tier["healthy"] is True
         assert tier["hits"] >= 3 and tier["bytes"] > 0 and tier["errors"] == 0 and tier["corrupt"] == 0
-        assert tier["raced"] == 0 and tier["pooled_bytes"] >= 0 and "recycled" in tier
+        assert {"raced", "recycled", "pooled_bytes"} <= tier.keys(), "inspect lost the recycling counters"
+        assert tier["raced"] == 0
     finally:
         server.process.stop()
 
