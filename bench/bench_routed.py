@@ -1,6 +1,7 @@
 """What returning routed experts costs, measured in the same run against the same connector with R3 off.
 
-1. **End to end (vLLM on CPU)**: the demo's multi-turn rollout workload (tiny Qwen3-MoE, LMCache MP server from
+1. **End to end (vLLM on CPU)**: the demo's multi-turn rollout workload (per model of ``--models``: the demo's
+   tiny Qwen3-MoE, whose steps are mostly vLLM's own per-step work, and a bigger one; LMCache MP server from
    a config, vLLM's prefix cache reset between turns) on two engines that differ only in
    ``"lmcache_r3.routed_experts"``: on (capture, joint KV+R3 hits, R3 stored with the KV, rows in every output)
    and off (the same connector, KV only). LMCache's L1 is cleared before every round. Ratio: on / off wall time.
@@ -8,7 +9,7 @@
    concurrent requests; the time spent in the scheduler-side R3 bookkeeping per step, as a fraction of the
    scheduler's step (schedule + update_from_output) with R3 on.
 
-    python bench/bench_routed.py [--rounds 3] [--concurrent 256] [--write]
+    python bench/bench_routed.py [--rounds 3] [--concurrent 256] [--models small,medium] [--write]
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ from benchdocs import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Routed experts end to end"
+PROBE = ROOT / "bench" / "probe"
+"""Timers inside the engine processes (``probe/sitecustomize.py``), on their ``PYTHONPATH``."""
+TIMERS = (
+    ("engine_core.step", "engine core step (schedule + model + update)"),
+    ("scheduler.schedule", "scheduler: `schedule`"),
+    ("scheduler.update_from_output", "scheduler: `update_from_output`"),
+    ("worker.execute_model", "worker: `execute_model`"),
+    ("worker.model_forward", "worker: the model's forward pass (inside `execute_model`)"),
+    ("connector.start_load_kv", "worker: connector `start_load_kv` (inside `execute_model`)"),
+    ("connector.wait_for_save", "worker: connector `wait_for_save`, R3 rows collected in it"),
+    ("connector._collect_routed_experts", "worker: of which collecting the step's R3 rows"),
+    ("connector.build_connector_worker_meta", "worker: connector `build_connector_worker_meta`"),
+)
 NUM_CPUS = os.cpu_count() or 1
 WORKER_CORES = "nobind" if NUM_CPUS < 2 else (f"1-{NUM_CPUS - 1}" if NUM_CPUS > 2 else "1")
 """The vLLM workers run on cores 1.., the engine cores, the front end and the LMCache server on core 0 (vLLM's CPU
@@ -36,15 +50,34 @@ backend otherwise spreads the model's threads over every core, and on a 2-core h
 preempt them at random: rounds vary 2x)."""
 
 
-def engine_rounds(rounds: int, workdir: Path) -> dict[tuple[str, bool], list[float]]:
-    """Wall and CPU seconds of each round of the demo workload with routed experts off and on.
+def engine_rounds(rounds: int, workdir: Path, shape: str) -> dict:
+    """Wall and CPU seconds of each round of the demo workload with routed experts off and on, and step timers.
 
-    Both engines stay alive and take turns round by round (off-on, on-off, ...), so a slow minute of a shared
-    machine weighs on both settings alike; a pause before every round lets the other engine's worker leave its
-    busy-wait (vLLM's message queue spins for 1 s after its last message). Each engine's first round is dropped
-    as warm-up. Runs in a child process (vLLM needs a ``__main__`` guard).
+    Two sessions of ``rounds // 2`` rounds each (at least one): the first starts the R3-off engine first, the second
+    the R3-on engine first. The engine started second runs measurably slower here (its worker's steps take about
+    0.1 ms longer, whatever it computes), so a single order would count that as R3's cost or hide it.
     """
-    out = workdir / "rounds.json"
+    half = max(1, rounds // 2)
+    sessions = [engine_session(half, workdir, shape, on_first) for on_first in (False, True)]
+    result: dict = {
+        (kind, routed): [value for session in sessions for value in session[(kind, routed)]]
+        for kind in ("wall", "cpu")
+        for routed in (False, True)
+    }
+    for routed in (False, True):
+        result[("cached", routed)] = sorted({hits for session in sessions for hits in session[("cached", routed)]})
+    result["probe"] = step_timers([workdir / f"probe-{shape}-{on_first}" for on_first in (False, True)])
+    return result
+
+
+def engine_session(rounds: int, workdir: Path, shape: str, on_first: bool) -> dict:
+    """One session: both engines stay alive and take turns round by round (off-on, on-off, ...), so a slow minute
+    of a shared machine weighs on both settings alike; a pause before every round lets the other engine's worker
+    leave its busy-wait (vLLM's message queue spins for 1 s after its last message). Each engine's first round is
+    dropped as warm-up. Runs in a child process (vLLM needs a ``__main__`` guard).
+    """
+    name = f"{shape}-{on_first}"
+    out = workdir / f"rounds-{name}.json"
     code = f"""
 import json, os, time
 from pathlib import Path
@@ -62,18 +95,19 @@ def main():
     if {WORKER_CORES!r} != "nobind":
         os.sched_setaffinity(0, {{0}})  # the front end, the engine cores and the server: core 0 (the workers: the rest)
     from lmcache_r3.demo import run as demo
-    from lmcache_r3.demo.model import SMALL, build_tiny_moe
-    workdir = Path({str(workdir)!r})
+    from lmcache_r3.demo.model import SHAPES, build_tiny_moe
+    workdir = Path({str(workdir)!r}) / {name!r}
+    workdir.mkdir()
     config = demo.write_demo_config(workdir)
     os.environ["LMCACHE_CONFIG_FILE"] = str(config)
     server = demo.start_config_server(config, workdir / "server.log")
-    model = build_tiny_moe(SMALL, None)
+    model = build_tiny_moe(SHAPES[{shape!r}], None)
     times = {{False: [], True: []}}
     cpu = {{False: [], True: []}}
     cached = {{False: set(), True: set()}}
     engines = {{}}
     try:
-        for routed in (False, True):
+        for routed in {(True, False) if on_first else (False, True)!r}:  # the creation order of this session
             transfer = dict(demo.CONNECTOR, kv_connector_extra_config={{"lmcache_r3.routed_experts": routed}})
             # Two engines side by side: each must not ask for most of the host's memory (CPU backend check).
             engines[routed] = demo.make_llm(model, transfer, gpu_memory_utilization=0.4)
@@ -111,15 +145,30 @@ def main():
 if __name__ == "__main__":
     main()
 """
-    script = workdir / "engines.py"
+    script = workdir / f"engines-{name}.py"
     script.write_text(code)
+    probe_dir = workdir / f"probe-{name}"
+    probe_dir.mkdir()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", LMCACHE_LOG_LEVEL="ERROR",
-               VLLM_CPU_OMP_THREADS_BIND=WORKER_CORES)  # fmt: skip
+               VLLM_CPU_OMP_THREADS_BIND=WORKER_CORES, LMCACHE_R3_BENCH_PROBE_DIR=str(probe_dir),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")])))  # fmt: skip
     subprocess.run([sys.executable, str(script)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=1800)
     measured = json.loads(out.read_text())
     return {
         (kind, routed): measured[kind][str(routed)] for kind in ("wall", "cpu", "cached") for routed in (False, True)
     }
+
+
+def step_timers(probe_dirs: list[Path]) -> dict[tuple[str, bool], float]:
+    """Mean milliseconds per call of each timer of ``probe/sitecustomize.py``, per setting (routed experts on/off)."""
+    totals: dict[tuple[str, bool], list[float]] = {}
+    for path in (path for probe_dir in probe_dirs for path in probe_dir.glob("*.json")):
+        routed = path.name.split("-")[1] == "on"
+        for timer, (calls, seconds) in json.loads(path.read_text()).items():
+            total = totals.setdefault((timer, routed), [0, 0.0])
+            total[0] += calls
+            total[1] += seconds
+    return {key: 1e3 * seconds / calls for key, (calls, seconds) in totals.items() if calls}
 
 
 def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
@@ -195,31 +244,39 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
         server.stop()
 
 
-def report(rounds: int, concurrent: int) -> str:
-    workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
-    rounds_of = engine_rounds(rounds, workdir)
+def describe(shape_name: str) -> str:
+    from lmcache_r3.demo.model import SHAPES
+
+    shape = SHAPES[shape_name]
+    return (
+        f"`{shape_name}`: {shape.num_layers} layers, {shape.num_experts} experts, top-{shape.top_k}, hidden "
+        f"{shape.hidden_size}"
+    )
+
+
+def probe_rows(probe: dict[tuple[str, bool], float]) -> list[str]:
+    rows = []
+    for timer, label in TIMERS:
+        off, on = probe.get((timer, False)), probe.get((timer, True))
+        if on is None:
+            continue
+        if off is None:  # R3's own work: nothing to compare with
+            rows.append(f"| {label} | - | {on:.3f} | {on:+.3f} |")
+        else:
+            rows.append(f"| {label} | {off:.3f} | {on:.3f} | {on - off:+.3f} |")
+    return rows
+
+
+def end_to_end(shape_name: str, rounds_of: dict) -> list[str]:
+    """The tables of one model's rounds."""
     off, on = rounds_of[("wall", False)], rounds_of[("wall", True)]
     cpu_off, cpu_on = rounds_of[("cpu", False)], rounds_of[("cpu", True)]
     cpu_ratio = statistics.median(cpu_on) / statistics.median(cpu_off)
-    book = bookkeeping(concurrent, workdir)
     ratio = statistics.median(on) / statistics.median(off)
     pairs = sorted(a / b for a, b in zip(on, off, strict=True))  # round i of each engine ran back to back
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
-    lines = [
-        SECTION,
-        "",
-        f"`python bench/bench_routed.py --rounds {rounds} --concurrent {concurrent} --write` on nproc "
-        f"{os.cpu_count()} ({platform.processor() or platform.machine()}), Python {platform.python_version()}, "
-        f"{datetime.date.today()}.",
-        "",
-        "End to end, vLLM on CPU (tiny Qwen3-MoE, 2 layers, 8 experts, top-2): the demo's 4 conversations x 3 turns "
-        "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
-        "two engines with the same connector, routed experts on and off, alive side by side and taking turns round "
-        "by round (off-on, on-off, ...), a 1.2 s pause before every round so the idle engine's worker stops "
-        f"busy-waiting; the workers on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the front end, the engine "
-        "cores and the LMCache server on core 0; each engine's first round dropped; median of the rounds. Timed: the "
-        "three generate calls of "
-        "a round (not the wait for LMCache's stores to land before each prefix-cache reset). Goal: on / off <= 1.05.",
+    return [
+        f"### Model {describe(shape_name)}",
         "",
         "| routed experts | rounds (s) | median (s) | on / off |",
         "| --- | --- | --- | --- |",
@@ -228,7 +285,8 @@ def report(rounds: int, concurrent: int) -> str:
         "",
         f"Round i of one engine ran right after round i of the other: the median of the {len(pairs)} paired ratios "
         f"on / off is **{statistics.median(pairs):.3f}x** (quartiles {quartiles[0]:.3f}x - {quartiles[2]:.3f}x). "
-        f"Spread of the rounds (slowest / fastest): off {max(off) / min(off):.2f}x, on {max(on) / min(on):.2f}x.",
+        f"Spread of the rounds (slowest / fastest): off {max(off) / min(off):.2f}x, on {max(on) / min(on):.2f}x. "
+        f"Goal on / off <= 1.05: **{'met' if ratio <= 1.05 else 'not met'}**.",
         "",
         f"Cached tokens (vLLM's `num_cached_tokens`, summed over a turn's 4 requests), every value seen: off "
         f"{rounds_of[('cached', False)]}, on {rounds_of[('cached', True)]}: "
@@ -239,12 +297,53 @@ def report(rounds: int, concurrent: int) -> str:
             else "they differ between R3 on and off, so part of the difference is cache hits, not R3's own cost."
         ),
         "",
+        "Per call, inside the engine processes (every step of every round, warm-up included; timers wrapped around "
+        "vLLM's methods by `bench/probe/sitecustomize.py`):",
+        "",
+        "| mean per call | off (ms) | on (ms) | on - off (ms) |",
+        "| --- | --- | --- | --- |",
+        *probe_rows(rounds_of["probe"]),
+        "",
         "CPU time of the same generate calls (every process: both engines, their workers, the LMCache server):",
         "",
         "| routed experts | CPU seconds per round | median | on / off |",
         "| --- | --- | --- | --- |",
         f"| off (KV only) | {', '.join(f'{t:.2f}' for t in cpu_off)} | {statistics.median(cpu_off):.2f} | 1.00x |",
         f"| on | {', '.join(f'{t:.2f}' for t in cpu_on)} | {statistics.median(cpu_on):.2f} | **{cpu_ratio:.3f}x** |",
+        "",
+    ]
+
+
+def report(rounds: int, concurrent: int, models: list[str]) -> str:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
+    measured = {name: engine_rounds(rounds, workdir, name) for name in models}
+    book = bookkeeping(concurrent, workdir)
+    lines = [
+        SECTION,
+        "",
+        f"`python bench/bench_routed.py --rounds {rounds} --concurrent {concurrent} --models {','.join(models)} "
+        f"--write` on nproc {os.cpu_count()} ({platform.processor() or platform.machine()}), Python "
+        f"{platform.python_version()}, {datetime.date.today()}.",
+        "",
+        "End to end, vLLM on CPU (random-weight Qwen3-MoE models built locally: "
+        + "; ".join(describe(name) for name in models)
+        + "): the demo's 4 conversations x 3 turns "
+        "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
+        "two engines with the same connector, routed experts on and off, alive side by side and taking turns round "
+        "by round (off-on, on-off, ...), a 1.2 s pause before every round so the idle engine's worker stops "
+        f"busy-waiting; the workers on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the front end, the engine "
+        "cores and the LMCache server on core 0; each engine's first round dropped; median of the rounds. Timed: the "
+        "three generate calls of "
+        "a round (not the wait for LMCache's stores to land before each prefix-cache reset). Each model's engines "
+        "run on their own, one model after the other, in two sessions of half the rounds each: the first starts the "
+        "R3-off engine first, the second the R3-on engine (the engine started second runs slower here, whatever it "
+        "computes: about 0.1 ms more per worker step). Goal: on / off <= 1.05.",
+        "",
+    ]
+    for name in models:
+        lines += end_to_end(name, measured[name])
+    lines += [
+        "### Scheduler-side bookkeeping",
         "",
         f"Scheduler-side R3 bookkeeping with {concurrent} concurrent requests (200-token prompts, 32 output tokens; "
         "real vLLM scheduler and both connector roles, no model): median per step over "
@@ -270,14 +369,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrent", type=int, default=256)
+    parser.add_argument(
+        "--models", default="small,medium", help="comma-separated model shapes to run end to end (default small,medium)"
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    from lmcache_r3.demo.model import SHAPES
+
+    models = [name for name in args.models.split(",") if name]
+    if not models or any(name not in SHAPES for name in models):
+        parser.error(f"--models takes names among {sorted(SHAPES)}, got {args.models!r}")
     from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
 
     exit_on_sigterm()
     os.environ.update(TELEMETRY_OFF)
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-    text = report(args.rounds, args.concurrent)
+    text = report(args.rounds, args.concurrent, models)
     print(text)
     if args.write:
         write_section(SECTION, text)

@@ -10,7 +10,12 @@ of 128 experts, uint8: 96 KiB + a 72-byte header, built with ``encode_run``). Ea
    started here on loopback (as the tests start them, but with Mooncake's default 10 s read lease);
 4. raw ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of the same bytes on the same cluster, the
    whole batch in one call, from and into registered buffers (the peer of 3);
-5. a single-thread memcpy (``numpy.copyto`` object by object into preallocated, already touched buffers): the limit.
+5. a single-thread memcpy (``numpy.copyto`` object by object into preallocated, already touched buffers): the limit;
+6. the same memcpy plus an XXH3-64 of every object (put: hash, then copy; get: copy, then hash the copy): the floor
+   of any tier that checksums what it stores and verifies every load, as both lmcache_r3 tiers do.
+
+R3 is measured twice: a batch of ``--objects`` chunks, and the 128 chunks of one 32k-token request
+(``--r3-request-objects``), the batch the connector stores and fetches for such a request.
 
 The adapters are driven in-process through ``L2AdapterInterface`` as LMCache's storage controllers drive them: put =
 ``submit_store_task`` (keys + LMCache ``TensorMemoryObj`` views of caller memory) until its event fd signals and
@@ -22,7 +27,7 @@ Each repeat runs every path once (the paths interleaved in a rotating order, fre
 again untimed); one untimed warm-up repeat comes first. Figures are medians over ``--repeats``; ratios are ratios of
 medians.
 
-    python bench/bench_tiers.py [--objects 16] [--repeats 5] [--write]
+    python bench/bench_tiers.py [--objects 16] [--r3-request-objects 128] [--repeats 5] [--write]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from benchdocs import DOCS, write_section
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
@@ -70,7 +76,7 @@ PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
 TASK_TIMEOUT_S = 120.0
 R3_REPEATS = 5
 """R3 batches run this many times the repeats: a call of a few milliseconds over loopback varies 2x run to run."""
-PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged", "raw_mooncake", "memcpy")
+PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged", "raw_mooncake", "memcpy", "verified_copy")
 LABELS = {
     "shm": "lmcache_r3 shm tier (`ShmL2Adapter`, /dev/shm)",
     "shm_fresh": "lmcache_r3 shm tier, recycling off (`recycle_bytes: 0`: every put writes new pages)",
@@ -79,6 +85,7 @@ LABELS = {
     "mooncake_staged": "lmcache_r3 Mooncake tier, `direct_reads: false` (every read through staging)",
     "raw_mooncake": "raw Mooncake `batch_put_from` / `batch_get_into`",
     "memcpy": "memcpy, one thread (`numpy.copyto` per object)",
+    "verified_copy": "memcpy + XXH3-64 of each object, one thread (the floor of a checksummed tier)",
 }
 
 
@@ -156,12 +163,12 @@ def kv_kind(count: int) -> Kind:
     )
 
 
-def r3_kind(count: int) -> Kind:
+def r3_kind(count: int, name: str = "R3") -> Kind:
     rows = np.random.default_rng(1).integers(0, PROFILE.num_experts, (count * CHUNK, *PROFILE.row_shape))
     source = np.frombuffer(encode_run(PROFILE, 0, rows.astype(PROFILE.dtype), CHUNK), dtype=np.uint8).copy()
     nbytes = encoded_nbytes(PROFILE, CHUNK)
     return Kind(
-        "R3",
+        name,
         f"256-token R3 chunk, {PROFILE.describe()}, + header",
         nbytes,
         (nbytes,),
@@ -303,6 +310,29 @@ class MemcpyPath:
         self.held = None
 
 
+class VerifiedCopyPath(MemcpyPath):
+    """memcpy plus one XXH3-64 per object: hashed before it is copied in, and after it is copied out."""
+
+    name = "verified_copy"
+
+    def __init__(self, kind: Kind) -> None:
+        super().__init__(kind)
+        self.digests: list[int] = []
+
+    def put(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> None:
+        self.digests = []
+        for target, source in zip(kind.views(self.held), kind.views(buffer), strict=True):
+            self.digests.append(xxhash.xxh3_64_intdigest(source))
+            np.copyto(target, source)
+
+    def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
+        for target, source, digest in zip(kind.views(buffer), kind.views(self.held), self.digests, strict=True):
+            np.copyto(target, source)
+            if xxhash.xxh3_64_intdigest(target) != digest:
+                raise BenchFailure("verified copy: a copied object does not match its digest")
+        return 0.0
+
+
 # -- measuring ------------------------------------------------------------------------------------------------------
 @dataclass
 class Sample:
@@ -376,6 +406,7 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
         paths.append(raw)
         raw.register(kind.source, target)
         paths.append(MemcpyPath(kind))
+        paths.append(VerifiedCopyPath(kind))
 
         samples: dict[str, list[Sample]] = {path.name: [] for path in paths}
         for repeat in range(repeats + 1):  # repeat 0 warms every path up and is not counted
@@ -418,6 +449,13 @@ GOALS = (
 )
 
 
+CONTEXT_RATIOS = (
+    ("verified copy / memcpy (the most a checksummed tier can reach)", "verified_copy", "memcpy"),
+    ("shm tier / verified copy", "shm", "verified_copy"),
+)
+"""Ratios reported beside the goals, for context."""
+
+
 def machine() -> str:
     model = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -437,8 +475,9 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         f"lmcache {version('lmcache')}, mooncake-transfer-engine-non-cuda "
         f"{version('mooncake-transfer-engine-non-cuda')}, numpy {np.__version__}.",
         "",
-        f"A batch of {args.objects} objects of each kind; medians of {args.repeats} repeats (R3: "
-        f"{args.repeats * R3_REPEATS}, as its few-millisecond calls vary more) after one warm-up, all "
+        f"A batch of {args.objects} objects of each kind, and R3 once more as the {args.r3_request_objects} chunks of "
+        f"one {args.r3_request_objects * CHUNK // 1024}k-token request; medians of {args.repeats} repeats (R3 x "
+        f"{args.objects}: {args.repeats * R3_REPEATS}, as its few-millisecond calls vary more) after one warm-up, all "
         "paths interleaved (in a rotating order) in every repeat; GB/s is 10^9 bytes of payload per second. Objects:",
         "",
     ]
@@ -459,14 +498,15 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "through its staging buffers; the `direct_reads: false` row stages every read. It splits a batch into "
         f"calls of at most its `batch_bytes`, {batch_bytes >> 20} MiB. The master keeps Mooncake's default 10 s "
         "read lease. memcpy "
-        "copies each object into a preallocated, already touched buffer (put) and back (get). Every get is compared "
-        "byte for byte with what was put.",
+        "copies each object into a preallocated, already touched buffer (put) and back (get); the verified copy "
+        "adds an XXH3-64 of each object (before the put's copy, after the get's), the least a tier does that "
+        "checksums every object and verifies every load. Every get is compared byte for byte with what was put.",
         "",
         "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
         "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "
         "where each one follows an eviction. `recycle_bytes: 0` shows a put into new tmpfs pages (a tier still "
-        "filling up). A KV batch is copied on the shm tier's 2 `io_threads`; an R3 batch (under its 8 MiB "
-        "`parallel_min_bytes`) on one thread.",
+        "filling up). The shm tier copies a batch of at least its `parallel_min_bytes` (8 MiB) on its 2 "
+        "`io_threads`: " + ", ".join(f"{k.name} on {2 if k.total >= 8 << 20 else 1}" for k in kinds) + ".",
         "",
         "| path | " + " | ".join(f"{k.name} put | {k.name} get | {k.name} get: lookup" for k in kinds) + " |",
         "| --- |" + " --- | --- | --- |" * len(kinds),
@@ -495,18 +535,37 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
                     missed.append(f"{kind.name} {op}")
         status = "**met**" if not missed else f"**not met** ({', '.join(missed)})"
         out.append(f"| {label} | " + " | ".join(cells) + f" | >= {goal}x | {status} |")
+    for label, num, den in CONTEXT_RATIOS:
+        cells = [
+            f"{getattr(results[k.name][num], f'{op}_gbps') / getattr(results[k.name][den], f'{op}_gbps'):.2f}x"
+            for k in kinds
+            for op in ("put", "get")
+        ]
+        out.append(f"| {label} | " + " | ".join(cells) + " | - | - |")
     r3 = next((kind for kind in kinds if kind.name == "R3"), None)
     if r3 is not None:
-        copy_ms, shm = results["R3"]["memcpy"], results["R3"]["shm"]
+        copy_ms, floor, shm = results["R3"]["memcpy"], results["R3"]["verified_copy"], results["R3"]["shm"]
         budget = min(copy_ms.put_ms, copy_ms.get_ms) / 0.3
         out += [
             "",
             f"R3 against memcpy: a batch of {r3.count} R3 objects ({r3.total / 2**20:.1f} MiB) is copied in "
             f"{ms(copy_ms.put_ms)} / {ms(copy_ms.get_ms)} (put / get) from cache, so 0.3x memcpy leaves "
-            f"{ms(budget)} for a whole tier operation. The shm tier's lookup alone (one `stat` per object and the "
+            f"{ms(budget)} for a whole tier operation; hashing each object once as well already takes "
+            f"{ms(floor.put_ms)} / {ms(floor.get_ms)}. The shm tier's lookup alone (one `stat` per object and the "
             f"hand-off of one task to a worker thread and back through the event fd) takes {ms(shm.lookup_ms)}, "
             "and a get is a lookup task plus a load task; a put creates or renames, writes and links one file per "
             "object. For objects this small the tier's cost is per object and per task, not per byte.",
+        ]
+        raw, tier, staged = (results["R3"][name] for name in ("raw_mooncake", "mooncake", "mooncake_staged"))
+        out += [
+            "",
+            f"R3 against raw Mooncake: raw moves the batch in {ms(raw.put_ms)} / {ms(raw.get_ms)} (put / get) in "
+            "one call each way. The tier adds fixed costs per batch: a checksum and a copy into staging, the "
+            "hand-off of each task to a worker thread and of each Mooncake call to the client's call thread (which "
+            "bounds how long anything waits), and, before a get, the lookup task's existence query to the master "
+            f"({ms(tier.lookup_ms)} here). The two tier rows run the same code for these objects (both stage "
+            f"them): {ms(tier.put_ms)} and {ms(staged.put_ms)} for the put, which shows how much the same call "
+            "varies between two clients in one process on this machine.",
         ]
     return "\n".join(out) + "\n"
 
@@ -514,11 +573,17 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objects", type=int, default=16, help="objects per batch, of each kind (default 16)")
+    parser.add_argument(
+        "--r3-request-objects",
+        type=int,
+        default=128,
+        help="R3 objects of the second R3 batch (default 128: one 32k-token request)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="measured repeats per path (default 5)")
     parser.add_argument("--write", action="store_true", help=f"replace the '{SECTION}' section of {DOCS.name}")
     args = parser.parse_args()
-    if args.objects < 1 or args.repeats < 1:
-        parser.error("--objects and --repeats must be at least 1")
+    if min(args.objects, args.r3_request_objects, args.repeats) < 1:
+        parser.error("--objects, --r3-request-objects and --repeats must be at least 1")
     exit_on_sigterm()
     os.environ.update(TELEMETRY_OFF)
     os.environ.update(MOONCAKE_ENV)  # this process's Mooncake clients stay on loopback too
@@ -536,8 +601,13 @@ def main() -> int:
     results: dict[str, dict[str, Figures]] = {}
     kinds: list[Kind] = []
     try:
-        for make in (kv_kind, r3_kind):
-            kind = make(args.objects)
+        makers = (
+            lambda: kv_kind(args.objects),
+            lambda: r3_kind(args.objects),
+            lambda: r3_kind(args.r3_request_objects, f"R3 x{args.r3_request_objects}"),
+        )
+        for make in makers:
+            kind = make()
             samples, batch_bytes = measure(kind, cluster, args.repeats * (R3_REPEATS if kind.name == "R3" else 1))
             results[kind.name] = {name: figures(kind, samples[name]) for name in PATHS}
             kind.source = kind.source[:0]  # the report needs only the sizes

@@ -2,8 +2,10 @@
 
 A *model shape* fixes everything routed experts depend on: decoder layers, experts, top-k. Two shapes exist so
 that no code is tuned to one model: ``SMALL`` (2 layers, 8 experts, top-2, uint8 routing) and ``WIDE`` (4 layers,
-300 experts, top-3, so its routing needs uint16). Attention uses head_dim 32 (the CPU backend rejects 16) and
-the tokenizer is a word-level vocabulary ``w0 .. w1019`` built in memory.
+300 experts, top-3, so its routing needs uint16). ``MEDIUM`` (8 layers, 32 experts, top-4, hidden 512) is for
+benchmarks whose engine steps should be the model's compute more than vLLM's own per-step work. Attention uses
+head_dim 32 (the CPU backend rejects 16; ``MEDIUM``: 64) and the tokenizer is a word-level vocabulary
+``w0 .. w1019`` built in memory.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class MoEShape:
     vocab_size: int = 1024
     hidden_size: int = 64
     head_dim: int = 32
+    moe_intermediate_size: int = 32
     max_position_embeddings: int = 4096
     seed: int = 0
 
@@ -41,7 +44,17 @@ class MoEShape:
 
 SMALL = MoEShape(name="tiny-qwen3moe", num_layers=2, num_experts=8, top_k=2)
 WIDE = MoEShape(name="tiny-qwen3moe-wide", num_layers=4, num_experts=300, top_k=3, seed=1)
-SHAPES = {"small": SMALL, "wide": WIDE}
+MEDIUM = MoEShape(
+    name="small-qwen3moe",
+    num_layers=8,
+    num_experts=32,
+    top_k=4,
+    hidden_size=512,
+    head_dim=64,
+    moe_intermediate_size=256,
+)
+"""Big enough that a CPU engine step is mostly the model's own compute (benchmarks); builds in a few seconds."""
+SHAPES = {"small": SMALL, "wide": WIDE, "medium": MEDIUM}
 
 
 def default_cache_dir() -> Path:
@@ -90,7 +103,7 @@ def _write_checkpoint(shape: MoEShape, out: Path) -> None:
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=2 * shape.hidden_size,
-        moe_intermediate_size=32,
+        moe_intermediate_size=shape.moe_intermediate_size,
         num_hidden_layers=shape.num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,118 @@
+"""Per-step timers inside vLLM's engine processes, for ``bench_routed.py`` (active only when it sets the env var).
+
+``bench_routed.py`` puts this directory on ``PYTHONPATH`` of the engines it starts and sets
+``LMCACHE_R3_BENCH_PROBE_DIR``. Every process then wraps, as the modules are imported, ``EngineCore.step``,
+``Scheduler.schedule`` / ``update_from_output``, ``GPUModelRunner.execute_model`` / ``_model_forward`` and the
+worker side of lmcache_r3's connector with a timer, and writes ``{timer: [calls, seconds]}`` to
+``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second, and at exit). ``on`` / ``off``: whether the
+process's connector has routed experts on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+
+PROBE_DIR = os.environ.get("LMCACHE_R3_BENCH_PROBE_DIR")
+_totals: dict[str, list] = {}
+_label: list[str] = []
+_last_dump = [0.0]
+
+
+def _dump(force: bool = False) -> None:
+    now = time.monotonic()
+    if not _label or (not force and now - _last_dump[0] < 0.5):
+        return
+    _last_dump[0] = now
+    path = os.path.join(PROBE_DIR, f"{_label[0]}-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as out:
+        json.dump(_totals, out)
+    os.replace(path + ".tmp", path)
+
+
+def _scheduler_label(core_or_scheduler) -> str:
+    scheduler = getattr(core_or_scheduler, "scheduler", core_or_scheduler)
+    connector = getattr(scheduler, "connector", None)
+    return "core-" + ("on" if getattr(connector, "routed", None) is not None else "off")
+
+
+def _worker_label(_runner) -> str:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return "worker-" + ("on" if getattr(get_kv_transfer_group(), "r3_capture", None) is not None else "off")
+
+
+def _time(cls, method: str, timer: str, label) -> None:
+    original = getattr(cls, method)
+
+    def timed(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            total = _totals.setdefault(timer, [0, 0.0])
+            total[0] += 1
+            total[1] += time.perf_counter() - started
+            if not _label:
+                _label.append(label(self))
+            _dump()
+
+    setattr(cls, method, timed)
+
+
+def _engine_core(module) -> None:
+    _time(module.EngineCore, "step", "engine_core.step", _scheduler_label)
+
+
+def _scheduler(module) -> None:
+    _time(module.Scheduler, "schedule", "scheduler.schedule", _scheduler_label)
+    _time(module.Scheduler, "update_from_output", "scheduler.update_from_output", _scheduler_label)
+
+
+def _model_runner(module) -> None:
+    _time(module.GPUModelRunner, "execute_model", "worker.execute_model", _worker_label)
+    _time(module.GPUModelRunner, "_model_forward", "worker.model_forward", _worker_label)
+
+
+def _connector(module) -> None:
+    connector = module.LMCacheMPConnector
+    for method in ("start_load_kv", "wait_for_save", "build_connector_worker_meta", "_collect_routed_experts"):
+        _time(connector, method, f"connector.{method}", _worker_label)
+
+
+_PATCHES = {
+    "lmcache_r3.mp.connector": _connector,
+    "vllm.v1.engine.core": _engine_core,
+    "vllm.v1.core.sched.scheduler": _scheduler,
+    "vllm.v1.worker.gpu_model_runner": _model_runner,
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        patch = _PATCHES.get(fullname)
+        if patch is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if PROBE_DIR:
+    sys.meta_path.insert(0, _PatchOnImport())
+    atexit.register(_dump, True)
