@@ -7,7 +7,8 @@ each decided by a pure function of :mod:`lmcache_r3.mp.planning` (docs/connector
 
 1. **Admitted range.** ``update_state_after_alloc`` records how many external tokens the scheduler admitted; the
    retrieve stops at the chunk holding the last admitted token and the lookup locks past it are freed at once
-   (zero admitted: no retrieve, every lock freed).
+   (zero admitted: no retrieve, every lock freed); a request finished before it was admitted frees its lookup's
+   locks, and a lookup vLLM asks for again never frees the same chunks twice.
 2. **Null-block projection.** A retrieve is projected onto the request's block tables per KV group: vLLM's null
    block is never a destination; a group's leading null chunks are not restored; a null block after a real one,
    a group without any real destination, or a retrieve the LMCache 0.5.6 server cannot carry out without
@@ -68,6 +69,7 @@ CONNECTOR_COUNTERS = (
     "partial_admissions",
     "zero_admissions",
     "locks_released_early_chunks",
+    "locks_released_at_finish_chunks",
     "retrieves",
     "retrieves_failed_closed",
     "stores_trimmed_at_null_block",
@@ -102,6 +104,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         # Scheduler-side state, keyed by request id.
         self._admissions: dict[str, planning.AdmittedRange] = {}
         self._computed_at_lookup: dict[str, int] = {}
+        self._locks_held_to: dict[str, int] = {}
+        """Per request whose lookup hit more KV than R3: the locks past this token were already released."""
         self._store_stopped: set[str] = set()
         self._recompute_only: set[str] = set()
         self._failed_retrieves: list[tuple[str, list[int]]] = []
@@ -179,9 +183,14 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self.routed.end_lookup(request)
             return result
         joint = self.routed.joint_hit_end(request, kv_hit)
+        # vLLM asks again when it could not allocate the request: LMCache reports the same locked hit, whose tail
+        # past an earlier cut is already released (releasing it twice would strip other requests' locks).
+        held_to = self._locks_held_to.get(request.request_id, kv_hit)
+        joint = min(joint, held_to)
         if joint >= kv_hit:
             return result
-        self._free_locks(tracker, TokenRange(joint, kv_hit))
+        self._free_locks(tracker, TokenRange(joint, held_to))
+        self._locks_held_to[request.request_id] = joint
         tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = joint
         need = max(0, joint - num_computed_tokens)
         if joint == len(request.all_token_ids):
@@ -198,6 +207,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             return
         self._track_new_blocks(tracker, blocks)
         self.scheduler_adapter.cleanup_lookup_result(request_id)
+        self._locks_held_to.pop(request_id, None)
         computed = max(self._computed_at_lookup.pop(request_id, 0), tracker.num_vllm_hit_tokens)
         admitted = num_external_tokens if tracker.needs_retrieve() else 0
         admission = planning.admitted_range(
@@ -278,7 +288,12 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._unflushed_store_blocks -= {NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID}
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """LMCache's cleanup; the returned params get the request's routed experts in this engine step."""
+        """LMCache's cleanup; the returned params get the request's routed experts in this engine step.
+
+        A request that finishes (is aborted) after its lookup answered but before vLLM admitted it still holds
+        the lookup's locks: they are released here (LMCache's own cleanup leaves them to the read-lock TTL).
+        """
+        self._release_unadmitted_lookup(request.request_id)
         self._forget(request.request_id)
         self._recompute_only.discard(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
@@ -416,9 +431,20 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                 request_configs=tracker.request_configs,
             )
 
+    def _release_unadmitted_lookup(self, request_id: str) -> None:
+        tracker = self.request_trackers.get(request_id)
+        if tracker is None or tracker.state != LMCacheMPRequestState.PREFETCHING:
+            return  # admitted (its retrieve or the admission released the locks), bypassed, or never looked up
+        # None: the lookup is still in flight; the locks it takes when it completes are left to LMCache's TTL.
+        hit = self.scheduler_adapter.check_lookup_result(request_id)
+        if hit:
+            self._free_locks(tracker, TokenRange(0, min(hit, self._locks_held_to.get(request_id, hit))))
+            self.counters.add("locks_released_at_finish_chunks", hit // self.scheduler_adapter.lmcache_tokens_per_chunk)
+
     def _forget(self, request_id: str) -> None:
         self._admissions.pop(request_id, None)
         self._computed_at_lookup.pop(request_id, None)
+        self._locks_held_to.pop(request_id, None)
         self._store_stopped.discard(request_id)
 
     def _get_or_create_request_tracker(self, request: Any) -> Any:

@@ -162,3 +162,20 @@ def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_fa
     assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
     assert connector.counters.values["zero_admissions"] == 1
     connector.request_finished(request, [41])
+
+
+def test_a_request_aborted_before_admission_releases_its_lookup_locks(scheduler_harness_factory, lmcache_server):
+    """vLLM aborts a request that waits for blocks after its lookup answered: the lookup's locks are released
+    (LMCache's own cleanup leaves them until its 300 s read-lock TTL, pinning the chunks in L1)."""
+    from vllm.v1.request import RequestStatus
+
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS)
+    tokens, _ = stored_prompt(harness, seed=88, num_chunks=3)
+    connector = harness.scheduler.connector
+    request = harness.make_request("W", tokens + [3])
+    assert lookup(connector, request)[0] == 3 * CHUNK
+    assert wait_locks(lmcache_server, 3) == 3
+    request.status = RequestStatus.FINISHED_ABORTED
+    connector.request_finished(request, [])
+    assert wait_locks(lmcache_server, 0) == 0
+    assert connector.counters.values["locks_released_at_finish_chunks"] == 3

@@ -294,3 +294,59 @@ def test_a_server_without_the_r3_module_recomputes_and_says_how_to_fix_it(
     assert harness.outputs["two"]["lmcache_r3_sources"]["lmcache_tokens"] == 0  # KV alone is never a hit
     np.testing.assert_array_equal(returned_rows(harness, "two"), expected_rows(harness, "two", tokens, 2))
     assert any("lmcache-r3 server" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+
+
+def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_before_admission(
+    own_r3_server, scheduler_harness_factory
+):
+    """vLLM asks ``get_num_new_matched_tokens`` again when it could not allocate a request, and aborts requests that
+    still wait: the tail past the joint hit is released once, the rest when the request ends unadmitted. Another
+    reader's locks on the same chunks (``holder``, a plain LMCache lookup) are never touched."""
+    from vllm.v1.request import RequestStatus
+
+    from lmcache_r3.mp.r3_client import R3Client
+
+    server = own_r3_server
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    connector = harness.scheduler.connector
+    adapter = connector.scheduler_adapter
+    tokens = prompt(4 * CHUNK + 9, seed=12)
+    harness.generate([("first", tokens)], max_tokens=3)
+    connector.routed.settle(10)
+    with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
+        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
+
+    def locks_become(expected: int) -> int:
+        deadline = time.monotonic() + 10
+        while (locked := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return locked
+
+    def matched(request) -> int:
+        deadline = time.monotonic() + 20
+        while (hit := connector.get_num_new_matched_tokens(request, 0)[0]) is None:
+            assert time.monotonic() < deadline, "the lookup did not answer"
+            time.sleep(0.01)
+        return hit
+
+    # ``read_locked_count`` counts locked objects, not locks: the holder keeps all 4 locked throughout, so the
+    # count drops only when a lock of the holder's is taken away, or stays up when a lock of ours is left behind.
+    adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
+    deadline = time.monotonic() + 20
+    while adapter.check_lookup_result("holder") is None:
+        assert time.monotonic() < deadline, "the holder's lookup did not answer"
+        time.sleep(0.01)
+    assert locks_become(4) == 4
+
+    request = harness.make_request("waiting", tokens)
+    assert matched(request) == CHUNK  # KV for 4 chunks, R3 for 1: the joint hit; the 3 past it are released
+    assert matched(request) == CHUNK  # vLLM could not allocate it and asks again
+    time.sleep(0.5)  # a second release of the tail would now be on the server
+    assert server.l1_counts()["read_locked_count"] == 4, "the tail was released twice: the holder lost its locks"
+
+    request.status = RequestStatus.FINISHED_ABORTED  # aborted while it waits: never admitted
+    connector.request_finished(request, [])
+    assert connector.counters.values["locks_released_at_finish_chunks"] == 4  # its lookup's hit, 3 of them gone
+    adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
+    adapter.cleanup_lookup_result("holder")
+    assert locks_become(0) == 0, "the aborted, never admitted request kept its lock on the first chunk"
