@@ -66,7 +66,7 @@ def engine_rounds(rounds: int, workdir: Path, shape: str) -> dict:
     }
     for routed in (False, True):
         result[("cached", routed)] = sorted({hits for session in sessions for hits in session[("cached", routed)]})
-    result["probe"] = step_timers([workdir / f"probe-{shape}-{on_first}" for on_first in (False, True)])
+    result["probe"] = step_timers([session["probe_dir"] for session in sessions])
     return result
 
 
@@ -154,9 +154,11 @@ if __name__ == "__main__":
                PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")])))  # fmt: skip
     subprocess.run([sys.executable, str(script)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=1800)
     measured = json.loads(out.read_text())
-    return {
+    result: dict = {
         (kind, routed): measured[kind][str(routed)] for kind in ("wall", "cpu", "cached") for routed in (False, True)
     }
+    result["probe_dir"] = probe_dir
+    return result
 
 
 def step_timers(probe_dirs: list[Path]) -> dict[tuple[str, bool], float]:

@@ -437,9 +437,12 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             return  # admitted (its retrieve or the admission released the locks), bypassed, or never looked up
         # None: the lookup is still in flight; the locks it takes when it completes are left to LMCache's TTL.
         hit = self.scheduler_adapter.check_lookup_result(request_id)
-        if hit:
-            self._free_locks(tracker, TokenRange(0, min(hit, self._locks_held_to.get(request_id, hit))))
-            self.counters.add("locks_released_at_finish_chunks", hit // self.scheduler_adapter.lmcache_tokens_per_chunk)
+        held = min(hit or 0, self._locks_held_to.get(request_id, hit or 0))  # the tail past a joint cut is gone
+        if held:
+            self._free_locks(tracker, TokenRange(0, held))
+            self.counters.add(
+                "locks_released_at_finish_chunks", held // self.scheduler_adapter.lmcache_tokens_per_chunk
+            )
 
     def _forget(self, request_id: str) -> None:
         self._admissions.pop(request_id, None)

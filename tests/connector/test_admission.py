@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.harness import BLOCK_SIZE
+from tests.support.harness import BLOCK_SIZE, lookup, wait_locks
 
 pytestmark = pytest.mark.harness
 
@@ -29,23 +29,6 @@ class AllocatedBlocks:
 
 def prompt(seed, length):
     return [10 + (seed * 131 + 7 * i) % 1000 for i in range(length)]
-
-
-def lookup(connector, request, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hit, is_async = connector.get_num_new_matched_tokens(request, 0)
-        if hit is not None:
-            return hit, is_async
-        assert time.monotonic() < deadline, "lookup did not answer"
-        time.sleep(0.01)
-
-
-def wait_locks(server, expected, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while (count := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return count
 
 
 def run_retrieve(harness, metadata, request_id, timeout_s=30.0):

@@ -14,7 +14,7 @@ import pytest
 
 from lmcache_r3 import routed_experts
 from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
-from tests.support.harness import BLOCK_SIZE
+from tests.support.harness import BLOCK_SIZE, locks_stay, lookup, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -199,10 +199,7 @@ def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(own_r3_serv
     np.testing.assert_array_equal(returned_rows(harness, "second"), returned_rows(harness, "first"))
     assert connector.routed.counters.values["joint_hits_shrunk"] >= 1
     # The KV lookup locked 4 chunks; the 3 past the joint hit were released at once, the first after its retrieve.
-    deadline = time.monotonic() + 10
-    while (locked := r3_server.l1_counts()["read_locked_count"]) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert locked == 0
+    assert wait_locks(r3_server, 0) == 0
 
 
 def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harness_factory, lmcache_server_factory):
@@ -316,19 +313,6 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
         assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
 
-    def locks_become(expected: int) -> int:
-        deadline = time.monotonic() + 10
-        while (locked := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return locked
-
-    def matched(request) -> int:
-        deadline = time.monotonic() + 20
-        while (hit := connector.get_num_new_matched_tokens(request, 0)[0]) is None:
-            assert time.monotonic() < deadline, "the lookup did not answer"
-            time.sleep(0.01)
-        return hit
-
     # ``read_locked_count`` counts locked objects, not locks: the holder keeps all 4 locked throughout, so the
     # count drops only when a lock of the holder's is taken away, or stays up when a lock of ours is left behind.
     adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
@@ -336,17 +320,16 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     while adapter.check_lookup_result("holder") is None:
         assert time.monotonic() < deadline, "the holder's lookup did not answer"
         time.sleep(0.01)
-    assert locks_become(4) == 4
+    assert wait_locks(server, 4) == 4
 
     request = harness.make_request("waiting", tokens)
-    assert matched(request) == CHUNK  # KV for 4 chunks, R3 for 1: the joint hit; the 3 past it are released
-    assert matched(request) == CHUNK  # vLLM could not allocate it and asks again
-    time.sleep(0.5)  # a second release of the tail would now be on the server
-    assert server.l1_counts()["read_locked_count"] == 4, "the tail was released twice: the holder lost its locks"
+    assert lookup(connector, request)[0] == CHUNK  # KV for 4 chunks, R3 for 1: the joint hit; 3 chunks released
+    assert lookup(connector, request)[0] == CHUNK  # vLLM could not allocate it and asks again
+    assert locks_stay(server, 4) == 4, "the tail was released twice: the holder lost its locks"
 
     request.status = RequestStatus.FINISHED_ABORTED  # aborted while it waits: never admitted
     connector.request_finished(request, [])
-    assert connector.counters.values["locks_released_at_finish_chunks"] == 4  # its lookup's hit, 3 of them gone
+    assert connector.counters.values["locks_released_at_finish_chunks"] == 1  # the 3 past the joint hit were gone
     adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
     adapter.cleanup_lookup_result("holder")
-    assert locks_become(0) == 0, "the aborted, never admitted request kept its lock on the first chunk"
+    assert wait_locks(server, 0) == 0, "the aborted, never admitted request kept its lock on the first chunk"

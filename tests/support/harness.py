@@ -431,3 +431,36 @@ class SchedulerHarness:
                     self.scheduler.connector.shutdown()
             finally:
                 self._config_context.__exit__(None, None, None)
+
+
+# -- lookups and locks, as vLLM's scheduler drives the connector -----------------------------------------------------
+def lookup(connector, request, timeout_s: float = 20.0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens(request, 0)`` until the LMCache lookup answers (vLLM asks every step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hit, is_async = connector.get_num_new_matched_tokens(request, 0)
+        if hit is not None:
+            return hit, is_async
+        assert time.monotonic() < deadline, "lookup did not answer"
+        time.sleep(0.01)
+
+
+def wait_locks(server, expected: int, timeout_s: float = 10.0) -> int:
+    """The server's read-locked object count once it is ``expected`` (or whatever it is after ``timeout_s``).
+
+    It counts locked objects, not locks: two lookups locking the same chunk count once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (count := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
+
+
+def locks_stay(server, expected: int, seconds: float = 1.0) -> int:
+    """The first read-locked object count other than ``expected`` seen within ``seconds``, else ``expected``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (count := server.l1_counts()["read_locked_count"]) != expected:
+            return count
+        time.sleep(0.02)
+    return expected
