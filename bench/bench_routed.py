@@ -9,7 +9,8 @@
    concurrent requests; the time spent in the scheduler-side R3 bookkeeping per step, as a fraction of the
    scheduler's step (schedule + update_from_output) with R3 on.
 
-    python bench/bench_routed.py [--rounds 3] [--concurrent 256] [--models small,medium] [--write]
+    python bench/bench_routed.py [--rounds 3] [--concurrent 256] [--models small,medium] [--conversations 4]
+        [--write]
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ TIMERS = (
     ("scheduler.update_from_output", "scheduler: `update_from_output`"),
     ("worker.execute_model", "worker: `execute_model`"),
     ("worker.model_forward", "worker: the model's forward pass (inside `execute_model`)"),
+    ("capturer.capture", "worker: one router's capture call (inside the forward pass; one per MoE layer a step)"),
     ("connector.start_load_kv", "worker: connector `start_load_kv` (inside `execute_model`)"),
     ("connector.wait_for_save", "worker: connector `wait_for_save`, R3 rows collected in it"),
     ("connector._collect_routed_experts", "worker: of which collecting the step's R3 rows"),
     ("connector.build_connector_worker_meta", "worker: connector `build_connector_worker_meta`"),
 )
+ROLES = ("front end", "engine core", "worker", "LMCache server")
+"""The processes whose CPU time a round adds up, by role (the engines' processes by vLLM's process titles)."""
 NUM_CPUS = os.cpu_count() or 1
 WORKER_CORES = "nobind" if NUM_CPUS < 2 else (f"1-{NUM_CPUS - 1}" if NUM_CPUS > 2 else "1")
 """The vLLM workers run on cores 1.., the engine cores, the front end and the LMCache server on core 0 (vLLM's CPU
@@ -50,7 +54,7 @@ backend otherwise spreads the model's threads over every core, and on a 2-core h
 preempt them at random: rounds vary 2x)."""
 
 
-def engine_rounds(rounds: int, workdir: Path, shape: str) -> dict:
+def engine_rounds(rounds: int, workdir: Path, shape: str, conversations: int) -> dict:
     """Wall and CPU seconds of each round of the demo workload with routed experts off and on, and step timers.
 
     Two sessions of ``rounds // 2`` rounds each (at least one): the first starts the R3-off engine first, the second
@@ -58,7 +62,7 @@ def engine_rounds(rounds: int, workdir: Path, shape: str) -> dict:
     0.1 ms longer, whatever it computes), so a single order would count that as R3's cost or hide it.
     """
     half = max(1, rounds // 2)
-    sessions = [engine_session(half, workdir, shape, on_first) for on_first in (False, True)]
+    sessions = [engine_session(half, workdir, shape, conversations, on_first) for on_first in (False, True)]
     result: dict = {
         (kind, routed): [value for session in sessions for value in session[(kind, routed)]]
         for kind in ("wall", "cpu")
@@ -66,31 +70,41 @@ def engine_rounds(rounds: int, workdir: Path, shape: str) -> dict:
     }
     for routed in (False, True):
         result[("cached", routed)] = sorted({hits for session in sessions for hits in session[("cached", routed)]})
+        rounds_run = sum(session["rounds"] for session in sessions)
+        result[("cpu_roles", routed)] = {  # CPU seconds per round, by role
+            name: sum(session["cpu_roles"][routed][name] for session in sessions) / rounds_run for name in ROLES
+        }
     result["probe"] = step_timers([session["probe_dir"] for session in sessions])
     return result
 
 
-def engine_session(rounds: int, workdir: Path, shape: str, on_first: bool) -> dict:
+def engine_session(rounds: int, workdir: Path, shape: str, conversations: int, on_first: bool) -> dict:
     """One session: both engines stay alive and take turns round by round (off-on, on-off, ...), so a slow minute
     of a shared machine weighs on both settings alike; a pause before every round lets the other engine's worker
     leave its busy-wait (vLLM's message queue spins for 1 s after its last message). Each engine's first round is
     dropped as warm-up. Runs in a child process (vLLM needs a ``__main__`` guard).
     """
-    name = f"{shape}-{on_first}"
+    name = f"{shape}-{conversations}-{on_first}"
     out = workdir / f"rounds-{name}.json"
     code = f"""
 import json, os, time
 from pathlib import Path
 import psutil
-def cpu_seconds():  # this process and every process below it: both engines, their workers, the server
-    total = 0.0
+def role(process, me):
+    if process.pid == me:
+        return "front end"
+    name = process.name()
+    return "engine core" if "EngineCore" in name else "worker" if "Worker" in name else "LMCache server"
+def cpu_seconds():  # this process and every process below it by role: both engines, their workers, the server
+    me = os.getpid()
+    spent = dict.fromkeys({ROLES!r}, 0.0)
     for process in [psutil.Process()] + psutil.Process().children(recursive=True):
         try:
             times = process.cpu_times()
-            total += times.user + times.system
+            spent[role(process, me)] += times.user + times.system
         except psutil.NoSuchProcess:
             pass
-    return total
+    return spent
 def main():
     if {WORKER_CORES!r} != "nobind":
         os.sched_setaffinity(0, {{0}})  # the front end, the engine cores and the server: core 0 (the workers: the rest)
@@ -104,13 +118,16 @@ def main():
     model = build_tiny_moe(SHAPES[{shape!r}], None)
     times = {{False: [], True: []}}
     cpu = {{False: [], True: []}}
+    cpu_roles = {{False: dict.fromkeys({ROLES!r}, 0.0), True: dict.fromkeys({ROLES!r}, 0.0)}}
     cached = {{False: set(), True: set()}}
     engines = {{}}
     try:
         for routed in {(True, False) if on_first else (False, True)!r}:  # the creation order of this session
             transfer = dict(demo.CONNECTOR, kv_connector_extra_config={{"lmcache_r3.routed_experts": routed}})
             # Two engines side by side: each must not ask for most of the host's memory (CPU backend check).
-            engines[routed] = demo.make_llm(model, transfer, gpu_memory_utilization=0.4)
+            engines[routed] = demo.make_llm(model, transfer, gpu_memory_utilization=0.4,
+                                            max_num_seqs=max(4, {conversations}),  # the whole batch at once
+                                            max_num_batched_tokens=max(512, 64 * {conversations}))  # fmt: skip
         for round_index in range({rounds} + 1):
             for routed in ((False, True) if round_index % 2 == 0 else (True, False)):
                 llm = engines[routed]
@@ -119,13 +136,15 @@ def main():
                 time.sleep(1.2)  # the other engine's worker stops busy-waiting
                 rollouts = demo.Rollouts(llm, server, 64)
                 system = demo.words(96, seed=0)
-                history = {{c: system + demo.words(24 + 7 * c, seed=100 + c) for c in range(4)}}
-                spent = spent_cpu = 0.0
+                history = {{c: system + demo.words(24 + 7 * (c % 8), seed=100 + c) for c in range({conversations})}}
+                spent = 0.0
+                spent_cpu = dict.fromkeys({ROLES!r}, 0.0)
                 for turn in range(3):
                     started, cpu_started = time.perf_counter(), cpu_seconds()
                     results = rollouts.generate({{str(c): h for c, h in history.items()}})
                     spent += time.perf_counter() - started
-                    spent_cpu += cpu_seconds() - cpu_started
+                    for name, seconds in cpu_seconds().items():
+                        spent_cpu[name] += seconds - cpu_started[name]
                     hits = sum(int(r[1].num_cached_tokens or 0) for r in results.values())
                     if round_index:
                         cached[routed].add(hits)
@@ -134,13 +153,16 @@ def main():
                     rollouts.reset_caches(lmcache_too=False)  # waits for the stores; not in the times
                 if round_index:
                     times[routed].append(spent)
-                    cpu[routed].append(spent_cpu)
+                    cpu[routed].append(sum(spent_cpu.values()))
+                    for name, seconds in spent_cpu.items():
+                        cpu_roles[routed][name] += seconds
     finally:
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
         server.process.stop()
     Path({str(out)!r}).write_text(json.dumps({{"wall": {{str(k): v for k, v in times.items()}},
                                                "cpu": {{str(k): v for k, v in cpu.items()}},
+                                               "cpu_roles": {{str(k): v for k, v in cpu_roles.items()}},
                                                "cached": {{str(k): sorted(v) for k, v in cached.items()}}}}))
 if __name__ == "__main__":
     main()
@@ -157,6 +179,8 @@ if __name__ == "__main__":
     result: dict = {
         (kind, routed): measured[kind][str(routed)] for kind in ("wall", "cpu", "cached") for routed in (False, True)
     }
+    result["cpu_roles"] = {routed: measured["cpu_roles"][str(routed)] for routed in (False, True)}
+    result["rounds"] = len(measured["wall"]["False"])
     result["probe_dir"] = probe_dir
     return result
 
@@ -269,8 +293,8 @@ def probe_rows(probe: dict[tuple[str, bool], float]) -> list[str]:
     return rows
 
 
-def end_to_end(shape_name: str, rounds_of: dict) -> list[str]:
-    """The tables of one model's rounds."""
+def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str]:
+    """The tables of one model's rounds at one batch size."""
     off, on = rounds_of[("wall", False)], rounds_of[("wall", True)]
     cpu_off, cpu_on = rounds_of[("cpu", False)], rounds_of[("cpu", True)]
     cpu_ratio = statistics.median(cpu_on) / statistics.median(cpu_off)
@@ -278,7 +302,7 @@ def end_to_end(shape_name: str, rounds_of: dict) -> list[str]:
     pairs = sorted(a / b for a, b in zip(on, off, strict=True))  # round i of each engine ran back to back
     quartiles = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
     return [
-        f"### Model {describe(shape_name)}",
+        f"### Model {describe(shape_name)}; {conversations} conversations",
         "",
         "| routed experts | rounds (s) | median (s) | on / off |",
         "| --- | --- | --- | --- |",
@@ -290,7 +314,8 @@ def end_to_end(shape_name: str, rounds_of: dict) -> list[str]:
         f"Spread of the rounds (slowest / fastest): off {max(off) / min(off):.2f}x, on {max(on) / min(on):.2f}x. "
         f"Goal on / off <= 1.05: **{'met' if ratio <= 1.05 else 'not met'}**.",
         "",
-        f"Cached tokens (vLLM's `num_cached_tokens`, summed over a turn's 4 requests), every value seen: off "
+        f"Cached tokens (vLLM's `num_cached_tokens`, summed over a turn's {conversations} requests), every value "
+        "seen: off "
         f"{rounds_of[('cached', False)]}, on {rounds_of[('cached', True)]}: "
         + (
             "the same with R3 on and off, so the difference is the cost of capturing, moving and storing routed "
@@ -313,24 +338,42 @@ def end_to_end(shape_name: str, rounds_of: dict) -> list[str]:
         f"| off (KV only) | {', '.join(f'{t:.2f}' for t in cpu_off)} | {statistics.median(cpu_off):.2f} | 1.00x |",
         f"| on | {', '.join(f'{t:.2f}' for t in cpu_on)} | {statistics.median(cpu_on):.2f} | **{cpu_ratio:.3f}x** |",
         "",
+        "The same CPU time by process (mean per round; the front end is the process calling `generate`):",
+        "",
+        "| process | off (s) | on (s) | on - off (s) |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {name} | {rounds_of[('cpu_roles', False)][name]:.3f} | {rounds_of[('cpu_roles', True)][name]:.3f} | "
+            f"{rounds_of[('cpu_roles', True)][name] - rounds_of[('cpu_roles', False)][name]:+.3f} |"
+            for name in ROLES
+        ),
+        "",
     ]
 
 
-def report(rounds: int, concurrent: int, models: list[str]) -> str:
+def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) -> str:
     workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
-    measured = {name: engine_rounds(rounds, workdir, name) for name in models}
+    measured = {
+        (name, conversations): engine_rounds(rounds, workdir, name, conversations)
+        for conversations in batches
+        for name in models
+    }
     book = bookkeeping(concurrent, workdir)
     lines = [
         SECTION,
         "",
         f"`python bench/bench_routed.py --rounds {rounds} --concurrent {concurrent} --models {','.join(models)} "
-        f"--write` on nproc {os.cpu_count()} ({platform.processor() or platform.machine()}), Python "
+        f"--conversations {','.join(map(str, batches))} --write` on nproc {os.cpu_count()} "
+        f"({platform.processor() or platform.machine()}), Python "
         f"{platform.python_version()}, {datetime.date.today()}.",
         "",
         "End to end, vLLM on CPU (random-weight Qwen3-MoE models built locally: "
         + "; ".join(describe(name) for name in models)
-        + "): the demo's 4 conversations x 3 turns "
-        "(64 output tokens each) with vLLM's prefix cache reset between turns, LMCache L1 cleared before each round; "
+        + "): the demo's multi-turn workload, "
+        + " and ".join(f"{n} conversations" for n in batches)
+        + " (sharing a 96-token system prompt) x 3 turns "
+        "(64 output tokens each, all conversations of a turn in one `generate` call) with vLLM's prefix cache reset "
+        "between turns, LMCache L1 cleared before each round; "
         "two engines with the same connector, routed experts on and off, alive side by side and taking turns round "
         "by round (off-on, on-off, ...), a 1.2 s pause before every round so the idle engine's worker stops "
         f"busy-waiting; the workers on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the front end, the engine "
@@ -342,8 +385,8 @@ def report(rounds: int, concurrent: int, models: list[str]) -> str:
         "computes: about 0.1 ms more per worker step). Goal: on / off <= 1.05.",
         "",
     ]
-    for name in models:
-        lines += end_to_end(name, measured[name])
+    for (name, conversations), rounds_of in measured.items():
+        lines += end_to_end(name, conversations, rounds_of)
     lines += [
         "### Scheduler-side bookkeeping",
         "",
@@ -374,6 +417,11 @@ def main() -> int:
     parser.add_argument(
         "--models", default="small,medium", help="comma-separated model shapes to run end to end (default small,medium)"
     )
+    parser.add_argument(
+        "--conversations",
+        default="4",
+        help="comma-separated batch sizes: conversations rolled out together (default 4, the demo's)",
+    )
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     from lmcache_r3.demo.model import SHAPES
@@ -386,7 +434,13 @@ def main() -> int:
     exit_on_sigterm()
     os.environ.update(TELEMETRY_OFF)
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-    text = report(args.rounds, args.concurrent, models)
+    try:
+        batches = [int(n) for n in args.conversations.split(",") if n]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        parser.error(f"--conversations takes positive integers, got {args.conversations!r}")
+    text = report(args.rounds, args.concurrent, models, batches)
     print(text)
     if args.write:
         write_section(SECTION, text)

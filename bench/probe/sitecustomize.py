@@ -2,15 +2,16 @@
 
 ``bench_routed.py`` puts this directory on ``PYTHONPATH`` of the engines it starts and sets
 ``LMCACHE_R3_BENCH_PROBE_DIR``. Every process then wraps, as the modules are imported, ``EngineCore.step``,
-``Scheduler.schedule`` / ``update_from_output``, ``GPUModelRunner.execute_model`` / ``_model_forward`` and the
-worker side of lmcache_r3's connector with a timer, and writes ``{timer: [calls, seconds]}`` to
-``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second, and at exit). ``on`` / ``off``: whether the
-process's connector has routed experts on.
+``Scheduler.schedule`` / ``update_from_output``, ``GPUModelRunner.execute_model`` / ``_model_forward``, the
+routers' capture call (lmcache_r3's capturer) and the worker side of lmcache_r3's connector with a timer, and
+writes ``{timer: [calls, seconds]}`` to ``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second, and at
+exit). ``on`` / ``off``: whether the process's connector has routed experts on.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.abc
 import importlib.util
 import json
@@ -85,7 +86,20 @@ def _connector(module) -> None:
         _time(connector, method, f"connector.{method}", _worker_label)
 
 
+def _capture(module) -> None:
+    build = module._capturer_class
+
+    @functools.cache
+    def build_timed():  # the capturer class is built on first use
+        capturer = build()
+        _time(capturer, "capture", "capturer.capture", _worker_label)
+        return capturer
+
+    module._capturer_class = build_timed
+
+
 _PATCHES = {
+    "lmcache_r3.mp.capture": _capture,
     "lmcache_r3.mp.connector": _connector,
     "vllm.v1.engine.core": _engine_core,
     "vllm.v1.core.sched.scheduler": _scheduler,

@@ -9,6 +9,7 @@ slots, narrowed (CUDA kernel on GPU, numpy on CPU).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,24 +57,40 @@ def require_eager_on_cpu(vllm_config: Any) -> None:
         )
 
 
+@functools.cache
+def _capturer_class() -> type:
+    """vLLM's ``RoutedExpertsCapturer``, counting its capture calls, with a host fast path (built on first use:
+    vLLM's MoE modules load with the model)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
+
+    class CountingCapturer(RoutedExpertsCapturer):
+        """Counts capture calls per step. On the CPU without data parallelism (no per-rank slicing to do) a call is
+        one numpy assignment into the capture buffer's memory instead of vLLM's torch indexing, which costs about
+        twice as much (once per MoE layer and step, inside the forward pass); everything else is vLLM's
+        ``capture``."""
+
+        calls = 0
+        host_buffer: np.ndarray | None = None
+
+        def capture(self, layer_id: int, topk_ids: Any) -> None:
+            self.calls += 1
+            host = self.host_buffer
+            if host is not None:
+                host[: topk_ids.shape[0], layer_id] = topk_ids.numpy()
+                return
+            super().capture(layer_id, topk_ids)
+
+    return CountingCapturer
+
+
 class RouterCapture:
     """vLLM's ``RoutedExpertsCapturer`` bound to the model's MoE routers, counting capture calls per step."""
 
     def __init__(self, vllm_config: Any, runners: list[Any]) -> None:
         import torch
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-            RoutedExpertsCapturer,
-            bind_routed_experts_capturer,
-        )
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
-        class _CountingCapturer(RoutedExpertsCapturer):
-            calls = 0
-
-            def capture(self, layer_id: int, topk_ids: Any) -> None:
-                self.calls += 1
-                super().capture(layer_id, topk_ids)
-
-        self.capturer = _CountingCapturer(
+        self.capturer = _capturer_class()(
             max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens, vllm_config=vllm_config
         )
         bind_routed_experts_capturer(torch.nn.ModuleList(runners), self.capturer)
@@ -81,6 +98,8 @@ class RouterCapture:
         buffer = self.capturer.device_buffer
         self._host_buffer = buffer.numpy() if buffer.device.type == "cpu" else None
         """On CPU, a numpy view of the capture buffer (same memory): read without a torch call per step."""
+        if self._host_buffer is not None and vllm_config.parallel_config.data_parallel_size == 1:
+            self.capturer.host_buffer = self._host_buffer
 
     def begin_step(self) -> None:
         self.capturer.calls = 0

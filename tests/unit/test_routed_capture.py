@@ -87,6 +87,31 @@ def test_cpu_without_enforce_eager_is_refused_with_the_fix(vllm_config):
     require_eager_on_cpu(vllm_config)
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int32"], ids=["int64-ids", "int32-ids"])
+def test_the_cpu_capture_fast_path_writes_what_vllms_capture_writes(vllm_config, dtype):
+    import torch
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsCapturer
+
+    from lmcache_r3.mp.capture import _capturer_class
+
+    ours = _capturer_class()(max_num_batched_tokens=16, vllm_config=vllm_config)
+    ours.host_buffer = ours.device_buffer.numpy()
+    theirs = RoutedExpertsCapturer(max_num_batched_tokens=16, vllm_config=vllm_config)
+    for buffer in (ours.device_buffer, theirs.device_buffer):
+        buffer.fill_(-1)  # what the previous step left: rows past this step's tokens must stay as they are
+    steps = [(0, torch.tensor([[1, 5], [7, 0], [3, 3]])), (1, torch.tensor([[6, 2], [4, 1], [0, 7]]))]
+    with set_forward_context(None, vllm_config):
+        for layer, ids in steps:
+            ours.capture(layer, ids.to(getattr(torch, dtype)))
+            theirs.capture(layer, ids.to(getattr(torch, dtype)))
+        with pytest.raises(IndexError):
+            ours.capture(2, steps[0][1])  # the tiny model has 2 MoE layers
+    assert ours.calls == 3
+    assert torch.equal(ours.device_buffer, theirs.device_buffer)
+    assert ours.device_buffer[:3, 1].tolist() == steps[1][1].tolist()
+
+
 class _Completion:
     def __init__(self, index=0, stop_reason=None):
         self.index, self.stop_reason = index, stop_reason
