@@ -185,16 +185,15 @@ if __name__ == "__main__":
     return result
 
 
-def step_timers(probe_dirs: list[Path]) -> dict[tuple[str, bool], float]:
-    """Mean milliseconds per call of each timer of ``probe/sitecustomize.py``, per setting (routed experts on/off)."""
-    totals: dict[tuple[str, bool], list[float]] = {}
+def step_timers(probe_dirs: list[Path]) -> dict[tuple[str, bool], tuple[int, float]]:
+    """``(calls, total)`` of each timer and counter of ``probe/sitecustomize.py``, per setting (R3 on / off)."""
+    totals: dict[tuple[str, bool], tuple[int, float]] = {}
     for path in (path for probe_dir in probe_dirs for path in probe_dir.glob("*.json")):
         routed = path.name.split("-")[1] == "on"
-        for timer, (calls, seconds) in json.loads(path.read_text()).items():
-            total = totals.setdefault((timer, routed), [0, 0.0])
-            total[0] += calls
-            total[1] += seconds
-    return {key: 1e3 * seconds / calls for key, (calls, seconds) in totals.items() if calls}
+        for timer, (calls, total) in json.loads(path.read_text()).items():
+            seen_calls, seen_total = totals.get((timer, routed), (0, 0.0))
+            totals[(timer, routed)] = (seen_calls + calls, seen_total + total)
+    return totals
 
 
 def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
@@ -280,16 +279,44 @@ def describe(shape_name: str) -> str:
     )
 
 
-def probe_rows(probe: dict[tuple[str, bool], float]) -> list[str]:
+COUNTERS = (
+    ("scheduler.scheduled_tokens", "tokens scheduled per engine step", "{:.1f}", lambda calls, total: total / calls),
+    ("scheduler.idle_steps", "engine steps that scheduled nothing", "{:.0f}", lambda calls, total: total),
+    ("lookup.seconds", "a request's lookup, vLLM's first ask to the answer (ms)", "{:.1f}",
+     lambda calls, total: 1e3 * total / calls),
+    ("lookup.asks", "vLLM's asks per lookup (one per engine step until it answers)", "{:.2f}",
+     lambda calls, total: total / calls),
+)  # fmt: skip
+"""Counters of ``probe/sitecustomize.py``: name, label, format, value from ``(calls, total)``."""
+
+
+def probe_rows(probe: dict[tuple[str, bool], tuple[int, float]]) -> list[str]:
+    """The timers' rows: mean milliseconds per call, off and on."""
     rows = []
     for timer, label in TIMERS:
-        off, on = probe.get((timer, False)), probe.get((timer, True))
-        if on is None:
+        off, on = (probe.get((timer, routed)) for routed in (False, True))
+        if on is None or not on[0]:
             continue
-        if off is None:  # R3's own work: nothing to compare with
-            rows.append(f"| {label} | - | {on:.3f} | {on:+.3f} |")
+        on_ms = 1e3 * on[1] / on[0]
+        if off is None or not off[0]:  # R3's own work: nothing to compare with
+            rows.append(f"| {label} | - | {on_ms:.3f} | {on_ms:+.3f} |")
         else:
-            rows.append(f"| {label} | {off:.3f} | {on:.3f} | {on - off:+.3f} |")
+            off_ms = 1e3 * off[1] / off[0]
+            rows.append(f"| {label} | {off_ms:.3f} | {on_ms:.3f} | {on_ms - off_ms:+.3f} |")
+    return rows
+
+
+def counter_rows(probe: dict[tuple[str, bool], tuple[int, float]]) -> list[str]:
+    """The counters' rows, off and on (every step of every round, warm-up included)."""
+    rows = []
+    for name, label, fmt, value in COUNTERS:
+        off, on = (probe.get((name, routed)) for routed in (False, True))
+        if off is None or on is None or not off[0] or not on[0]:
+            continue
+        rows.append(f"| {label} | {fmt.format(value(*off))} | {fmt.format(value(*on))} |")
+    steps = [probe.get(("engine_core.step", routed), (0, 0.0))[0] for routed in (False, True)]
+    if all(steps):
+        rows.append(f"| engine steps | {steps[0]} | {steps[1]} |")
     return rows
 
 
@@ -330,6 +357,13 @@ def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str
         "| mean per call | off (ms) | on (ms) | on - off (ms) |",
         "| --- | --- | --- | --- |",
         *probe_rows(rounds_of["probe"]),
+        "",
+        "How the scheduler batched the same work (counted the same way; the same tokens spread over more steps, or "
+        "requests waiting longer for their lookups, cost time without showing in any one call above):",
+        "",
+        "| per engine | off | on |",
+        "| --- | --- | --- |",
+        *counter_rows(rounds_of["probe"]),
         "",
         "CPU time of the same generate calls (every process: both engines, their workers, the LMCache server):",
         "",

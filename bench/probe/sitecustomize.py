@@ -3,9 +3,10 @@
 ``bench_routed.py`` puts this directory on ``PYTHONPATH`` of the engines it starts and sets
 ``LMCACHE_R3_BENCH_PROBE_DIR``. Every process then wraps, as the modules are imported, ``EngineCore.step``,
 ``Scheduler.schedule`` / ``update_from_output``, ``GPUModelRunner.execute_model`` / ``_model_forward``, the
-routers' capture call (lmcache_r3's capturer) and the worker side of lmcache_r3's connector with a timer, and
-writes ``{timer: [calls, seconds]}`` to ``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second, and at
-exit). ``on`` / ``off``: whether the process's connector has routed experts on.
+routers' capture call (lmcache_r3's capturer) and the worker side of lmcache_r3's connector with a timer, counts
+the tokens and idle steps ``schedule`` returns and times each request's lookup from vLLM's first ask to the
+answer, and writes ``{name: [calls, total]}`` to ``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second,
+and at exit). ``on`` / ``off``: whether the process's connector has routed experts on.
 """
 
 from __future__ import annotations
@@ -70,7 +71,29 @@ def _engine_core(module) -> None:
     _time(module.EngineCore, "step", "engine_core.step", _scheduler_label)
 
 
+def _count(counter: str, calls: int, total: float) -> None:
+    entry = _totals.setdefault(counter, [0, 0.0])
+    entry[0] += calls
+    entry[1] += total
+
+
+def _count_scheduled(cls) -> None:
+    """Count every ``schedule`` call's tokens (``scheduler.scheduled_tokens``: [steps, tokens]) and the steps that
+    scheduled none (``scheduler.idle_steps``: [steps, steps]; requests waiting on LMCache lookups or loads)."""
+    original = cls.schedule
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        _count("scheduler.scheduled_tokens", 1, out.total_num_scheduled_tokens)
+        if not out.total_num_scheduled_tokens:
+            _count("scheduler.idle_steps", 1, 1.0)
+        return out
+
+    cls.schedule = counted
+
+
 def _scheduler(module) -> None:
+    _count_scheduled(module.Scheduler)
     _time(module.Scheduler, "schedule", "scheduler.schedule", _scheduler_label)
     _time(module.Scheduler, "update_from_output", "scheduler.update_from_output", _scheduler_label)
 
@@ -82,6 +105,22 @@ def _model_runner(module) -> None:
 
 def _connector(module) -> None:
     connector = module.LMCacheMPConnector
+    original = connector.get_num_new_matched_tokens
+    asked: dict[str, list] = {}  # per request looking up: [first ask, asks so far]
+
+    def lookup(self, request, num_computed_tokens):
+        """``lookup.seconds``: [lookups, seconds from the first ask to the answer]; ``lookup.asks``: [lookups, asks]
+        (vLLM asks every step until LMCache's asynchronous lookup, and with R3 the fetch, has answered)."""
+        first = asked.setdefault(request.request_id, [time.perf_counter(), 0])
+        first[1] += 1
+        result = original(self, request, num_computed_tokens)
+        if result[0] is not None:
+            del asked[request.request_id]
+            _count("lookup.seconds", 1, time.perf_counter() - first[0])
+            _count("lookup.asks", 1, first[1])
+        return result
+
+    connector.get_num_new_matched_tokens = lookup
     for method in ("start_load_kv", "wait_for_save", "build_connector_worker_meta", "_collect_routed_experts"):
         _time(connector, method, f"connector.{method}", _worker_label)
 
