@@ -190,7 +190,9 @@ class R3ServerModule:
     def fetch_many(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.FetchManyRequest)
         profile = self._profile(request.profile)
-        submitted = [self._submit_read(chunk_range, profile) for chunk_range in request.ranges]  # all in flight
+        # Every range is checked before any prefetch starts: a refused call must leave no read lock behind.
+        keys = [self._keys(chunk_range) for chunk_range in request.ranges]
+        submitted = [self._submit_keys(range_keys, profile) for range_keys in keys]  # all in flight
         results = []
         for pending, chunk_range in zip(submitted, request.ranges, strict=True):
             hit, objects = self._finish_read(pending, chunk_range, profile, keep_bytes=True)
@@ -261,7 +263,10 @@ class R3ServerModule:
 
     def _submit_read(self, chunk_range: protocol.ChunkRange, profile: R3Profile) -> tuple[list[ObjectKey], Any]:
         """Start bringing a range's objects into L1: ``(keys, prefetch handle or None)``."""
-        keys = self._keys(chunk_range)
+        return self._submit_keys(self._keys(chunk_range), profile)
+
+    def _submit_keys(self, keys: list[ObjectKey], profile: R3Profile) -> tuple[list[ObjectKey], Any]:
+        """Start bringing the objects of a range's (checked) keys into L1: ``(keys, prefetch handle or None)``."""
         if not keys:
             return keys, None
         spec = PrefetchTaskSpec(

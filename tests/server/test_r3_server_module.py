@@ -188,6 +188,19 @@ def test_one_fetch_many_call_answers_each_range_in_order(client):
     np.testing.assert_array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows[CHUNK:])
 
 
+def test_a_fetch_many_call_with_one_invalid_range_is_refused_and_locks_nothing(own_r3_server):
+    tokens = tokens_for(37, 2 * CHUNK)
+    with R3Client(own_r3_server.url, MODEL, PROFILE) as client:
+        store_rows(client, tokens, rows_for(37, 2 * CHUNK))
+        assert wait_for_hit(client, tokens, 2) == 2
+        # The first range is valid and stored; the second starts inside a chunk.
+        with pytest.raises(R3ClientError, match=r"token range \[5, 128\) of 128 tokens is invalid"):
+            client.fetch_many([(tokens, 0, 2 * CHUNK, ""), (tokens, 5, 2 * CHUNK, "")]).result()
+        time.sleep(0.3)  # a prefetch started for the valid range would have taken its read locks by now
+        assert own_r3_server.l1_counts()["read_locked_count"] == 0
+        assert client.fetch(tokens).result().num_hit_chunks == 2  # the server still serves the range
+
+
 def test_one_malformed_item_refuses_the_whole_store_many_call(client):
     good, bad = tokens_for(33, 2 * CHUNK), tokens_for(34, CHUNK)
     damaged = bytearray(encode_run(PROFILE, 0, rows_for(34, CHUNK), CHUNK))
