@@ -406,8 +406,10 @@ def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) 
         + "): the demo's multi-turn workload, "
         + " and ".join(f"{n} conversations" for n in batches)
         + " (sharing a 96-token system prompt) x 3 turns "
-        "(64 output tokens each, all conversations of a turn in one `generate` call) with vLLM's prefix cache reset "
-        "between turns, LMCache L1 cleared before each round; "
+        "(64 output tokens each, all conversations of a turn in one `generate` call, each engine scheduling the "
+        "whole batch at once: `max_num_seqs` = the conversations, at least 4) with vLLM's prefix cache reset between "
+        "turns; the LMCache server runs the example config (`examples/lmcache_r3.yaml`: L1 and an fs L2 tier that "
+        "every stored object is written through to); LMCache L1 cleared before each round; "
         "two engines with the same connector, routed experts on and off, alive side by side and taking turns round "
         "by round (off-on, on-off, ...), a 1.2 s pause before every round so the idle engine's worker stops "
         f"busy-waiting; the workers on cores {WORKER_CORES} (`VLLM_CPU_OMP_THREADS_BIND`), the front end, the engine "
