@@ -284,6 +284,10 @@ COUNTERS = (
     ("scheduler.idle_steps", "engine steps that scheduled nothing", "{:.0f}", lambda calls, total: total),
     ("lookup.seconds", "a request's lookup, vLLM's first ask to the answer (ms)", "{:.1f}",
      lambda calls, total: 1e3 * total / calls),
+    ("lookup.seconds.chunked",
+     "the same, requests spanning a full chunk past vLLM's own hit (R3 on: they fetch R3) (ms)", "{:.1f}",
+     lambda calls, total: 1e3 * total / calls),
+    ("lookup.seconds.short", "the same, requests that do not (ms)", "{:.1f}", lambda calls, total: 1e3 * total / calls),
     ("lookup.asks", "vLLM's asks per lookup (one per engine step until it answers)", "{:.2f}",
      lambda calls, total: total / calls),
 )  # fmt: skip

@@ -116,8 +116,13 @@ def _connector(module) -> None:
         result = original(self, request, num_computed_tokens)
         if result[0] is not None:
             del asked[request.request_id]
-            _count("lookup.seconds", 1, time.perf_counter() - first[0])
+            seconds = time.perf_counter() - first[0]
+            _count("lookup.seconds", 1, seconds)
             _count("lookup.asks", 1, first[1])
+            # Split by whether the request spans a full LMCache chunk past vLLM's own hit: only those fetch R3.
+            chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
+            spans = len(request.all_token_ids) // chunk > num_computed_tokens // chunk
+            _count(f"lookup.seconds.{'chunked' if spans else 'short'}", 1, seconds)
         return result
 
     connector.get_num_new_matched_tokens = lookup
