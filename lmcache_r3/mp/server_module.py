@@ -175,28 +175,22 @@ class R3ServerModule:
     @server_module_handler(protocol.METHOD_LOOKUP)
     def lookup(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.LookupRequest)
-        hit, _ = self._read_leading(request.range, self._profile(request.profile), keep_bytes=False)
+        ((hit, _),) = self._read_ranges([request.range], self._profile(request.profile), keep_bytes=False)
         self.counters.update(lookup_calls=1, lookup_hit_chunks=hit)
         return protocol.encode(protocol.LookupResponse(num_hit_chunks=hit))
 
     @server_module_handler(protocol.METHOD_FETCH)
     def fetch(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.FetchRequest)
-        hit, objects = self._read_leading(request.range, self._profile(request.profile), keep_bytes=True)
+        ((hit, objects),) = self._read_ranges([request.range], self._profile(request.profile), keep_bytes=True)
         self.counters.update(fetch_calls=1, fetched_chunks=hit)
         return protocol.encode(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
 
     @server_module_handler(protocol.METHOD_FETCH_MANY)
     def fetch_many(self, payload: bytes) -> bytes:
         request = self._decode(payload, protocol.FetchManyRequest)
-        profile = self._profile(request.profile)
-        # Every range is checked before any prefetch starts: a refused call must leave no read lock behind.
-        keys = [self._keys(chunk_range) for chunk_range in request.ranges]
-        submitted = [self._submit_keys(range_keys, profile) for range_keys in keys]  # all in flight
-        results = []
-        for pending, chunk_range in zip(submitted, request.ranges, strict=True):
-            hit, objects = self._finish_read(pending, chunk_range, profile, keep_bytes=True)
-            results.append(protocol.FetchResponse(num_hit_chunks=hit, objects=objects))
+        reads = self._read_ranges(request.ranges, self._profile(request.profile), keep_bytes=True)
+        results = [protocol.FetchResponse(num_hit_chunks=hit, objects=objects) for hit, objects in reads]
         self.counters.update(fetch_calls=1, fetched_chunks=sum(r.num_hit_chunks for r in results))
         return protocol.encode(protocol.FetchManyResponse(results=results))
 
@@ -251,77 +245,73 @@ class R3ServerModule:
         except (TypeError, ValueError) as err:
             self._refuse(f"invalid R3 key: {err}")
 
-    def _read_leading(
-        self, chunk_range: protocol.ChunkRange, profile: R3Profile, keep_bytes: bool
-    ) -> tuple[int, bytes]:
-        """Bring the leading present objects into L1 (from L2 if needed), verify them, release the locks.
+    def _read_ranges(
+        self, ranges: list[protocol.ChunkRange], profile: R3Profile, keep_bytes: bool
+    ) -> list[tuple[int, bytes]]:
+        """Per range, bring its leading present objects into L1 (from L2 if needed), verify them, release the locks.
 
-        Returns the number of leading valid chunks and, with ``keep_bytes``, their concatenated bytes. A damaged
-        object ends the hit and is dropped from L1 so it is not found again.
+        Returns, per range, the number of leading valid chunks and, with ``keep_bytes``, their concatenated bytes.
+        Every range is checked before anything is read (a refused call takes no lock), and all ranges are read with
+        one prefetch of their distinct keys: its per-task cost, not the reading, is most of the work per range. A
+        damaged object ends its range's hit and is dropped so it is not found again.
         """
-        return self._finish_read(self._submit_read(chunk_range, profile), chunk_range, profile, keep_bytes)
-
-    def _submit_read(self, chunk_range: protocol.ChunkRange, profile: R3Profile) -> tuple[list[ObjectKey], Any]:
-        """Start bringing a range's objects into L1: ``(keys, prefetch handle or None)``."""
-        return self._submit_keys(self._keys(chunk_range), profile)
-
-    def _submit_keys(self, keys: list[ObjectKey], profile: R3Profile) -> tuple[list[ObjectKey], Any]:
-        """Start bringing the objects of a range's (checked) keys into L1: ``(keys, prefetch handle or None)``."""
-        if not keys:
-            return keys, None
-        spec = PrefetchTaskSpec(
-            key_groups=[
-                GroupedObjectKeys(
-                    keys=keys,
-                    object_group_id=R3_OBJECT_GROUP,
-                    layout_desc=_layout(encoded_nbytes(profile, self.chunk_size)),
-                )
-            ],
-            num_kv_readers=1,
-        )
-        return keys, self._ctx.storage_manager.submit_prefetch_task(spec, external_request_id="lmcache_r3")
-
-    def _finish_read(
-        self, submitted: tuple[list[ObjectKey], Any], chunk_range: protocol.ChunkRange, profile: R3Profile,
-        keep_bytes: bool,
-    ) -> tuple[int, bytes]:  # fmt: skip
-        keys, handle = submitted
-        if handle is None:
-            return 0, b""
+        range_keys = [self._keys(chunk_range) for chunk_range in ranges]
+        unique = list(dict.fromkeys(key for keys in range_keys for key in keys))
+        if not unique:
+            return [(0, b"") for _ in ranges]
         object_nbytes = encoded_nbytes(profile, self.chunk_size)
         storage = self._ctx.storage_manager
-        result = self._wait_prefetch(handle, keys)
+        spec = PrefetchTaskSpec(
+            key_groups=[
+                GroupedObjectKeys(keys=unique, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
+            ],  # fmt: skip
+            num_kv_readers=1,
+            fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
+        )
+        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
+        result = self._wait_prefetch(handle, unique)
         if result is None:
-            return 0, b""
-        present = result.hit_cells[0].count_leading_ones()
-        hit_keys = keys[:present]
-        valid, run, damaged = 0, b"", None
+            return [(0, b"") for _ in ranges]
+        locked = [unique[i] for i in result.hit_cells[0].get_indices_list()]  # one read lock each, until released
+        runs: list[bytes] = []
         try:
-            if hit_keys:
-                found_keys, objects = storage.unsafe_read(hit_keys, l1_owners=result.l1_owners)
+            found_keys, objects = storage.unsafe_read(locked, l1_owners=result.l1_owners) if locked else ([], [])
+            found = dict(zip(found_keys, objects, strict=True))
+            for keys in range_keys:
                 views = []
-                for key, obj in zip(found_keys, objects, strict=True):
-                    if key != hit_keys[len(views)]:
-                        break  # an object vanished in between: the hit ends before it
+                for key in keys:
+                    obj = found.get(key)
+                    if obj is None:
+                        break  # absent, or vanished in between: the range's hit ends before it
                     views.append(_object_bytes(obj, object_nbytes))
-                run = b"".join(views)
+                runs.append(b"".join(views))  # a copy: the objects may go once their locks are released
         finally:
-            if hit_keys:
-                storage.finish_read_prefetched(hit_keys, read_locks=1, l1_owners=result.l1_owners)
-                storage.touch_l1_keys(hit_keys)
-        if run:
-            decoded = decode_run(run, profile, chunk_range.start, self.chunk_size)
-            valid = len(decoded.chunks)
-            if decoded.error is not None and valid < len(run) // object_nbytes:
-                damaged = hit_keys[valid]
-                logger.warning(
-                    "lmcache_r3: dropping damaged R3 object for tokens [%d, %d): %s",
-                    chunk_range.start + valid * self.chunk_size,
-                    chunk_range.start + (valid + 1) * self.chunk_size,
-                    decoded.error,
-                )
-        if damaged is not None:
-            self._drop_damaged(damaged)
+            if locked:
+                storage.finish_read_prefetched(locked, read_locks=1, l1_owners=result.l1_owners)
+                storage.touch_l1_keys(locked)
+        return [
+            self._verified(run, keys, chunk_range, profile, keep_bytes)
+            for run, keys, chunk_range in zip(runs, range_keys, ranges, strict=True)
+        ]
+
+    def _verified(
+        self, run: bytes, keys: list[ObjectKey], chunk_range: protocol.ChunkRange, profile: R3Profile,
+        keep_bytes: bool,
+    ) -> tuple[int, bytes]:  # fmt: skip
+        """``(leading valid chunks, their bytes)`` of the objects read for one range; drops the first damaged one."""
+        if not run:
+            return 0, b""
+        object_nbytes = encoded_nbytes(profile, self.chunk_size)
+        decoded = decode_run(run, profile, chunk_range.start, self.chunk_size)
+        valid = len(decoded.chunks)
+        if decoded.error is not None and valid < len(run) // object_nbytes:
+            logger.warning(
+                "lmcache_r3: dropping damaged R3 object for tokens [%d, %d): %s",
+                chunk_range.start + valid * self.chunk_size,
+                chunk_range.start + (valid + 1) * self.chunk_size,
+                decoded.error,
+            )
+            self._drop_damaged(keys[valid])
         if not keep_bytes:
             return valid, b""
         return valid, (run if valid * object_nbytes == len(run) else run[: valid * object_nbytes])
@@ -371,9 +361,9 @@ def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None
             storage.wait_prefetch_status(handle, 1.0)
             result = storage.query_prefetch_status(handle)
             if result is not None:
-                present = result.hit_cells[0].count_leading_ones() if result.hit_cells else 0
-                if present:
-                    storage.finish_read_prefetched(keys[:present], read_locks=1, l1_owners=result.l1_owners)
+                hits = [keys[i] for i in result.hit_cells[0].get_indices_list()] if result.hit_cells else []
+                if hits:
+                    storage.finish_read_prefetched(hits, read_locks=1, l1_owners=result.l1_owners)
                 return
 
     threading.Thread(target=release, name="lmcache_r3-prefetch-release", daemon=True).start()

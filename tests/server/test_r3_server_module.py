@@ -201,6 +201,26 @@ def test_a_fetch_many_call_with_one_invalid_range_is_refused_and_locks_nothing(o
         assert client.fetch(tokens).result().num_hit_chunks == 2  # the server still serves the range
 
 
+def test_fetch_many_ranges_sharing_chunks_and_a_gap_hit_their_leading_chunks_and_release_every_lock(own_r3_server):
+    tokens = tokens_for(38, 3 * CHUNK)
+    sibling = tokens[:CHUNK] + tokens_for(39, 2 * CHUNK)  # shares the first chunk, not the rest
+    rows = rows_for(38, 3 * CHUNK)
+    with R3Client(own_r3_server.url, MODEL, PROFILE) as client:
+        store_rows(client, tokens, rows)
+        assert wait_for_hit(client, tokens, 3) == 3
+        assert client.delete(tokens, CHUNK, 2 * CHUNK).result().num_deleted == 1  # a gap: chunk 2 is still stored
+        calls = [(tokens, 0, 3 * CHUNK, ""), (sibling, 0, 3 * CHUNK, ""), (tokens, 2 * CHUNK, 3 * CHUNK, "")]
+        first, shared, after_gap = client.fetch_many(calls).result().results
+        assert (first.num_hit_chunks, shared.num_hit_chunks, after_gap.num_hit_chunks) == (1, 1, 1)
+        assert first.objects == shared.objects  # the shared chunk, read once for both
+        np.testing.assert_array_equal(decode_run(first.objects, PROFILE, 0, CHUNK).chunks[0].rows, rows[:CHUNK])
+        np.testing.assert_array_equal(
+            decode_run(after_gap.objects, PROFILE, 2 * CHUNK, CHUNK).chunks[0].rows, rows[2 * CHUNK :]
+        )
+        # Every object the call locked is released, those past a range's gap included.
+        assert own_r3_server.l1_counts()["read_locked_count"] == 0
+
+
 def test_one_malformed_item_refuses_the_whole_store_many_call(client):
     good, bad = tokens_for(33, 2 * CHUNK), tokens_for(34, CHUNK)
     damaged = bytearray(encode_run(PROFILE, 0, rows_for(34, CHUNK), CHUNK))
