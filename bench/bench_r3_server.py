@@ -139,6 +139,28 @@ def lookup_vs_fetch(r3: R3Client, tokens, repeats: int) -> tuple[float, float]:
     return statistics.median(lookups), statistics.median(fetches)
 
 
+def fetch_many_vs_fetches(r3: R3Client, profile: R3Profile, requests: int, repeats: int) -> tuple[float, float]:
+    """One engine step's R3 fetch for ``requests`` requests of one stored chunk each, as the connector sends it (one
+    ``fetch_many`` call), against one ``fetch`` call per request; medians of ``repeats``."""
+    rng = np.random.default_rng(requests)
+    prompts = [rng.integers(10, 50000, size=CHUNK).tolist() for _ in range(requests)]
+    for tokens in prompts:
+        rows = rng.integers(0, profile.num_experts, size=(CHUNK, *profile.row_shape)).astype(profile.dtype)
+        r3.store(tokens, 0, encode_run(profile, 0, rows, CHUNK)).result()
+    items = [(tokens, 0, CHUNK, "") for tokens in prompts]
+    many, single = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        results = r3.fetch_many(items).result().results
+        many.append(time.perf_counter() - started)
+        assert all(result.num_hit_chunks == 1 for result in results), "a stored chunk was not fetched"
+        started = time.perf_counter()
+        for tokens in prompts:
+            r3.fetch(tokens).result()
+        single.append(time.perf_counter() - started)
+    return statistics.median(many), statistics.median(single)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32768)
@@ -184,6 +206,7 @@ def main() -> int:
             small_lookup, small_fetch = lookup_vs_fetch(r3, small, 50)
             r3.store(tokens, 0, encode_run(profile, 0, rows, CHUNK)).result()
             big_lookup, big_fetch = lookup_vs_fetch(r3, tokens, 10)
+            batches = {n: fetch_many_vs_fetches(r3, profile, n, 30) for n in (1, 8, 32)}
         worker.shutdown()
         scheduler.shutdown()
     finally:
@@ -227,6 +250,17 @@ def main() -> int:
             f"| 4 | {small_lookup * 1e3:.2f} ms | {small_fetch * 1e3:.2f} ms | {small_fetch / small_lookup:.2f}x |",
             f"| {args.tokens // CHUNK} | {big_lookup * 1e3:.1f} ms | {big_fetch * 1e3:.1f} ms | "
             f"{big_fetch / big_lookup:.2f}x |",
+            "",
+            "One engine step's R3 fetch for a batch of requests (one stored chunk each): the connector's one "
+            "`fetch_many` call, which the server reads with one prefetch of every range's keys, against one `fetch` "
+            "call per request:",
+            "",
+            "| requests | one `fetch_many` | one `fetch` each | fetch_many / fetches |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {n} | {many * 1e3:.2f} ms | {single * 1e3:.2f} ms | {many / single:.2f}x |"
+                for n, (many, single) in batches.items()
+            ),
             "",
         ]
     )
