@@ -193,6 +193,9 @@ def step_timers(probe_dirs: list[Path]) -> dict[tuple[str, bool], tuple[int, flo
         for timer, (calls, total) in json.loads(path.read_text()).items():
             seen_calls, seen_total = totals.get((timer, routed), (0, 0.0))
             totals[(timer, routed)] = (seen_calls + calls, seen_total + total)
+    for routed in (False, True):  # every lookup: the two kinds the probe counts apart
+        parts = [totals.get((f"lookup.seconds.{kind}", routed), (0, 0.0)) for kind in ("chunked", "short")]
+        totals[("lookup.seconds", routed)] = (sum(calls for calls, _ in parts), sum(total for _, total in parts))
     return totals
 
 

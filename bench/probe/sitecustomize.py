@@ -49,6 +49,12 @@ def _worker_label(_runner) -> str:
     return "worker-" + ("on" if getattr(get_kv_transfer_group(), "r3_capture", None) is not None else "off")
 
 
+def _count(counter: str, calls: int, total: float) -> None:
+    entry = _totals.setdefault(counter, [0, 0.0])
+    entry[0] += calls
+    entry[1] += total
+
+
 def _time(cls, method: str, timer: str, label) -> None:
     original = getattr(cls, method)
 
@@ -57,9 +63,7 @@ def _time(cls, method: str, timer: str, label) -> None:
         try:
             return original(self, *args, **kwargs)
         finally:
-            total = _totals.setdefault(timer, [0, 0.0])
-            total[0] += 1
-            total[1] += time.perf_counter() - started
+            _count(timer, 1, time.perf_counter() - started)
             if not _label:
                 _label.append(label(self))
             _dump()
@@ -69,12 +73,6 @@ def _time(cls, method: str, timer: str, label) -> None:
 
 def _engine_core(module) -> None:
     _time(module.EngineCore, "step", "engine_core.step", _scheduler_label)
-
-
-def _count(counter: str, calls: int, total: float) -> None:
-    entry = _totals.setdefault(counter, [0, 0.0])
-    entry[0] += calls
-    entry[1] += total
 
 
 def _count_scheduled(cls) -> None:
@@ -109,20 +107,19 @@ def _connector(module) -> None:
     asked: dict[str, list] = {}  # per request looking up: [first ask, asks so far]
 
     def lookup(self, request, num_computed_tokens):
-        """``lookup.seconds``: [lookups, seconds from the first ask to the answer]; ``lookup.asks``: [lookups, asks]
-        (vLLM asks every step until LMCache's asynchronous lookup, and with R3 the fetch, has answered)."""
+        """``lookup.seconds.chunked`` / ``.short``: [lookups, seconds from the first ask to the answer] of requests
+        that span a full LMCache chunk past vLLM's own hit (only those fetch R3) and of the others;
+        ``lookup.asks``: [lookups, asks] (vLLM asks every step until LMCache's asynchronous lookup, and with R3 the
+        fetch, has answered)."""
         first = asked.setdefault(request.request_id, [time.perf_counter(), 0])
         first[1] += 1
         result = original(self, request, num_computed_tokens)
         if result[0] is not None:
             del asked[request.request_id]
-            seconds = time.perf_counter() - first[0]
-            _count("lookup.seconds", 1, seconds)
             _count("lookup.asks", 1, first[1])
-            # Split by whether the request spans a full LMCache chunk past vLLM's own hit: only those fetch R3.
             chunk = self.scheduler_adapter.lmcache_tokens_per_chunk
             spans = len(request.all_token_ids) // chunk > num_computed_tokens // chunk
-            _count(f"lookup.seconds.{'chunked' if spans else 'short'}", 1, seconds)
+            _count(f"lookup.seconds.{'chunked' if spans else 'short'}", 1, time.perf_counter() - first[0])
         return result
 
     connector.get_num_new_matched_tokens = lookup

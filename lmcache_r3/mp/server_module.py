@@ -264,7 +264,7 @@ class R3ServerModule:
         spec = PrefetchTaskSpec(
             key_groups=[
                 GroupedObjectKeys(keys=unique, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
-            ],  # fmt: skip
+            ],
             num_kv_readers=1,
             fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
         )
@@ -286,22 +286,20 @@ class R3ServerModule:
                     views.append(_object_bytes(obj, object_nbytes))
                 runs.append(b"".join(views))  # a copy: the objects may go once their locks are released
         finally:
-            if locked:
+            if locked:  # (the prefetch already touched its hits for LRU)
                 storage.finish_read_prefetched(locked, read_locks=1, l1_owners=result.l1_owners)
-                storage.touch_l1_keys(locked)
         return [
-            self._verified(run, keys, chunk_range, profile, keep_bytes)
+            self._verified(run, keys, chunk_range, profile, object_nbytes, keep_bytes)
             for run, keys, chunk_range in zip(runs, range_keys, ranges, strict=True)
         ]
 
     def _verified(
         self, run: bytes, keys: list[ObjectKey], chunk_range: protocol.ChunkRange, profile: R3Profile,
-        keep_bytes: bool,
+        object_nbytes: int, keep_bytes: bool,
     ) -> tuple[int, bytes]:  # fmt: skip
         """``(leading valid chunks, their bytes)`` of the objects read for one range; drops the first damaged one."""
         if not run:
             return 0, b""
-        object_nbytes = encoded_nbytes(profile, self.chunk_size)
         decoded = decode_run(run, profile, chunk_range.start, self.chunk_size)
         valid = len(decoded.chunks)
         if decoded.error is not None and valid < len(run) // object_nbytes:

@@ -212,7 +212,7 @@ def test_fetch_many_ranges_sharing_chunks_and_a_gap_hit_their_leading_chunks_and
         calls = [(tokens, 0, 3 * CHUNK, ""), (sibling, 0, 3 * CHUNK, ""), (tokens, 2 * CHUNK, 3 * CHUNK, "")]
         first, shared, after_gap = client.fetch_many(calls).result().results
         assert (first.num_hit_chunks, shared.num_hit_chunks, after_gap.num_hit_chunks) == (1, 1, 1)
-        assert first.objects == shared.objects  # the shared chunk, read once for both
+        assert first.objects == shared.objects  # the chunk both ranges share
         np.testing.assert_array_equal(decode_run(first.objects, PROFILE, 0, CHUNK).chunks[0].rows, rows[:CHUNK])
         np.testing.assert_array_equal(
             decode_run(after_gap.objects, PROFILE, 2 * CHUNK, CHUNK).chunks[0].rows, rows[2 * CHUNK :]
