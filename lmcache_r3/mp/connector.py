@@ -63,6 +63,8 @@ from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, repo
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
+LOOKUP_LOCK_TTL_S = 300.0
+"""LMCache 0.5.6's read-lock TTL: a lock taken by a lookup is gone by then, whoever releases it."""
 
 
 CONNECTOR_COUNTERS = (
@@ -70,6 +72,7 @@ CONNECTOR_COUNTERS = (
     "zero_admissions",
     "locks_released_early_chunks",
     "locks_released_at_finish_chunks",
+    "lookups_finished_after_request",
     "retrieves",
     "retrieves_failed_closed",
     "stores_trimmed_at_null_block",
@@ -108,6 +111,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Per request whose lookup hit more KV than R3: the locks past this token were already released."""
         self._store_stopped: set[str] = set()
         self._recompute_only: set[str] = set()
+        self._orphaned_lookups: dict[str, tuple[Any, float]] = {}
+        """Per request that finished while its lookup was in flight: its tracker, and when to stop waiting."""
         self._failed_retrieves: list[tuple[str, list[int]]] = []
         self._unflushed_store_blocks: set[int] = set()
         # Routed experts (R3).
@@ -127,6 +132,10 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Time this role spent on routed experts (capture mapping on a worker, bookkeeping on the scheduler)."""
         self.r3_steps = 0
         self._r3_sends_rows = False
+        if role == KVConnectorRole.SCHEDULER:
+            # LMCache drops a finished request's lookup state; one still in flight is kept until it answers.
+            self._drop_lookup_state = self.scheduler_adapter.cleanup_lookup_result
+            self.scheduler_adapter.cleanup_lookup_result = self._cleanup_lookup_result
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
 
@@ -242,6 +251,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._failed_retrieves = []
         if self._recurrent:
             self._flush_before_block_reuse(scheduler_output, metadata)
+        if self._orphaned_lookups:
+            self._release_orphaned_lookups()
         metadata.r3_step = None
         if self.routed is not None:
             started = time.perf_counter()
@@ -432,17 +443,44 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             )
 
     def _release_unadmitted_lookup(self, request_id: str) -> None:
+        """Release the locks of a finishing request's lookup that no retrieve will consume.
+
+        A lookup still in flight takes its locks when it completes on the server: it is polled every step from then
+        on (:meth:`_release_orphaned_lookups`), since LMCache's own cleanup would drop it and leave those locks to
+        the server's read-lock TTL, pinning the chunks in L1 (RL trainers abort a whole batch at a weight update).
+        """
         tracker = self.request_trackers.get(request_id)
         if tracker is None or tracker.state != LMCacheMPRequestState.PREFETCHING:
             return  # admitted (its retrieve or the admission released the locks), bypassed, or never looked up
-        # None: the lookup is still in flight; the locks it takes when it completes are left to LMCache's TTL.
         hit = self.scheduler_adapter.check_lookup_result(request_id)
-        held = min(hit or 0, self._locks_held_to.get(request_id, hit or 0))  # the tail past a joint cut is gone
+        if hit is None:
+            self._orphaned_lookups[request_id] = (tracker, time.monotonic() + LOOKUP_LOCK_TTL_S)
+            return
+        held = min(hit, self._locks_held_to.get(request_id, hit))  # the tail past a joint cut is gone
+        self._release_finished_lookup(tracker, held)
+
+    def _release_finished_lookup(self, tracker: Any, held: int) -> None:
         if held:
             self._free_locks(tracker, TokenRange(0, held))
             self.counters.add(
                 "locks_released_at_finish_chunks", held // self.scheduler_adapter.lmcache_tokens_per_chunk
             )
+
+    def _release_orphaned_lookups(self) -> None:
+        """Poll the lookups of finished requests (once a step); release the locks of those that answered."""
+        for request_id, (tracker, deadline) in list(self._orphaned_lookups.items()):
+            hit = self.scheduler_adapter.check_lookup_result(request_id)
+            if hit is None and time.monotonic() < deadline:
+                continue
+            del self._orphaned_lookups[request_id]
+            self._drop_lookup_state(request_id)
+            self.counters.add("lookups_finished_after_request")
+            self._release_finished_lookup(tracker, hit or 0)  # past the deadline the server's TTL released them
+
+    def _cleanup_lookup_result(self, request_id: str) -> None:
+        """LMCache's cleanup of a request's lookup state, except for a lookup still polled after its request."""
+        if request_id not in self._orphaned_lookups:
+            self._drop_lookup_state(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._admissions.pop(request_id, None)

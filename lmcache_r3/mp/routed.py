@@ -84,6 +84,9 @@ class _RequestState:
     fetch: _PendingFetch | None = None
     fetched: tuple[int, np.ndarray] | None = None
     """``(start, rows)`` of the R3 chunks LMCache returned for the current lookup."""
+    answered: tuple[int, int] | None = None
+    """``(start, end)`` of the R3 hit of the current lookup once its fetch answered: vLLM asks again when it could
+    not allocate the request, and the same answer serves (R3 objects never change)."""
     admitted: tuple[int, int] = (0, 0)
     """``(local hit, external tokens)`` of the latest admission from LMCache, until the request (re)starts."""
     blocks: list[int] = field(default_factory=list)
@@ -167,17 +170,20 @@ class RoutedExpertsBook:
     def begin_lookup(self, request: Any, num_computed_tokens: int) -> None:
         """Start fetching R3 of the chunks past the local hit, beside LMCache's KV lookup.
 
-        Once per lookup: vLLM asks again every step while LMCache's KV lookup is pending, and the pending fetch
-        serves unless the local hit shrank below where it starts (a waiting request's cached blocks were evicted).
+        Once per lookup: vLLM asks again every step while LMCache's KV lookup is pending, and again after it
+        answered when it could not allocate the request; the pending fetch, then its answer, serves unless the local
+        hit shrank below where it starts (a waiting request's cached blocks were evicted).
         """
         state = self._state(request)
         start = num_computed_tokens - num_computed_tokens % self.chunk_size
         if state.fetch is not None and state.fetch.start <= start:
             return
+        if state.fetch is None and state.answered is not None and state.answered[0] <= start:
+            return
         tokens = request.all_token_ids
         end = len(tokens) - len(tokens) % self.chunk_size
         state.fetch = _PendingFetch(start)
-        state.fetched = None
+        state.fetched = state.answered = None
         if self._server_answers() and end > start:
             self.counters.add("fetches")
             state.fetch.spec = (list(tokens[:end]), start, end, request.cache_salt or "")
@@ -202,11 +208,22 @@ class RoutedExpertsBook:
         lookup), at most the client's bound. A failed fetch is an R3 miss.
         """
         state = self._state(request)
+        if state.fetch is None and state.answered is not None:
+            return min(kv_hit_tokens, state.answered[1])  # asked again: the answer of this lookup's fetch
+        r3_end = self._fetched_end(state, request)
+        state.answered = (state.fetch.start if state.fetch else 0, r3_end)
+        state.fetch = None
+        if r3_end < kv_hit_tokens:
+            self.counters.add("joint_hits_shrunk")
+        return min(kv_hit_tokens, r3_end)
+
+    def _fetched_end(self, state: _RequestState, request: Any) -> int:
+        """Where the R3 hit of the lookup's fetch ends (its start when it failed); keeps the rows it returned."""
         if state.fetch is not None and state.fetch.spec is not None:
             self.send_fetches()  # the KV lookup answered before this step's fetches went out
-        fetch, state.fetch = state.fetch, None
+        fetch = state.fetch
         if fetch is None or fetch.call is None:
-            return min(kv_hit_tokens, fetch.start if fetch else 0)
+            return fetch.start if fetch else 0
         try:
             response = fetch.call.result(timeout=self.fetch_timeout_s).results[fetch.index]
             decoded = decode_run(response.objects, self.profile, fetch.start, self.chunk_size)
@@ -216,23 +233,20 @@ class RoutedExpertsBook:
                 self._quiet_until = time.monotonic() + self.retry_after_s
             logger.warning("lmcache_r3: R3 fetch for %s failed (%s); its LMCache hit is dropped",
                            request.request_id, error)  # fmt: skip
-            return min(kv_hit_tokens, fetch.start)
+            return fetch.start
         if decoded.error is not None:
             logger.warning("lmcache_r3: R3 of %s ends at a damaged object: %s", request.request_id, decoded.error)
         chunks = decoded.chunks
         self.counters.add("r3_hit_chunks", len(chunks))
         if chunks:
             state.fetched = (fetch.start, np.concatenate([chunk.rows for chunk in chunks]))
-        r3_end = fetch.start + len(chunks) * self.chunk_size
-        if r3_end < kv_hit_tokens:
-            self.counters.add("joint_hits_shrunk")
-        return min(kv_hit_tokens, r3_end)
+        return fetch.start + len(chunks) * self.chunk_size
 
     def end_lookup(self, request: Any) -> None:
         """The lookup found nothing to load past the local hit: the R3 fetch's answer is not needed."""
         state = self._state(request)
         state.fetch = None
-        state.fetched = None
+        state.fetched = state.answered = None
 
     def admitted(self, request_id: str, num_local_tokens: int, num_external_tokens: int) -> None:
         """The scheduler admitted ``num_external_tokens`` from LMCache past a local hit of ``num_local_tokens``."""
@@ -307,7 +321,7 @@ class RoutedExpertsBook:
         """A (re)starting request's first ``computed`` tokens: vLLM's hit, then LMCache's rows into the mirror."""
         admitted_external = state.admitted[1]
         state.admitted = (0, 0)
-        fetched, state.fetched = state.fetched, None
+        fetched, state.fetched, state.answered = state.fetched, None, None
         external = computed - local_end
         state.served = (local_end, external)
         self.counters.add("rows_from_prefix_cache", local_end)

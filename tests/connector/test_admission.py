@@ -162,3 +162,30 @@ def test_a_request_aborted_before_admission_releases_its_lookup_locks(scheduler_
     connector.request_finished(request, [])
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["locks_released_at_finish_chunks"] == 3
+
+
+def test_a_request_finished_while_its_lookup_is_in_flight_releases_the_locks_the_lookup_takes_later(
+    scheduler_harness_factory, lmcache_server
+):
+    """vLLM aborts a waiting request whose lookup has not answered yet (an RL trainer aborting its batch before a
+    weight update): the lookup still locks its hit on the server when it completes; the connector keeps polling it
+    at the next engine steps and releases those locks (LMCache's own cleanup drops the lookup and leaves them to
+    the 300 s read-lock TTL)."""
+    from vllm.v1.request import RequestStatus
+
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS)
+    tokens, _ = stored_prompt(harness, seed=89, num_chunks=3)
+    assert wait_locks(lmcache_server, 0) == 0
+    connector = harness.scheduler.connector
+    request = harness.make_request("in-flight", tokens + [3])
+    assert connector.get_num_new_matched_tokens(request, 0)[0] is None, "the lookup answered at once"
+    request.status = RequestStatus.FINISHED_ABORTED
+    connector.request_finished(request, [])
+    deadline = time.monotonic() + 10
+    while not connector.counters.values.get("lookups_finished_after_request") and time.monotonic() < deadline:
+        connector.build_connector_meta(empty_scheduler_output())  # the engine's later steps
+        time.sleep(0.01)
+    assert wait_locks(lmcache_server, 0) == 0, "the locks the lookup took after its request finished were kept"
+    assert connector.counters.values["lookups_finished_after_request"] == 1
+    assert connector.counters.values["locks_released_at_finish_chunks"] == 3, "the lookup's 3-chunk hit was released"
+    assert "in-flight" not in connector.scheduler_adapter._pending_lookups, "the lookup state was dropped at last"

@@ -132,6 +132,46 @@ def test_preempted_requests_return_exact_rows(r3_harness):
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
 
 
+def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_serves_it(r3_harness):
+    """A request whose LMCache hit answered while the pool is full waits: vLLM asks ``get_num_new_matched_tokens``
+    again every step until it can allocate. The R3 fetched for the lookup serves every ask (the server is not asked
+    again), and the rows it returns once admitted are exact."""
+    harness = r3_harness(num_blocks=14)  # 13 usable blocks of 32 tokens
+    hit = prompt(4 * CHUNK + 44, seed=61)
+    harness.generate([("warm", hit)], max_tokens=2)
+    harness.scheduler.connector.routed.settle(10)
+    harness.reset_prefix_cache()
+    connector = harness.scheduler.connector
+    asks: dict[str, int] = {}
+    original = connector.get_num_new_matched_tokens
+
+    def counted(request, num_computed_tokens):
+        result = original(request, num_computed_tokens)
+        if result[0] is not None:
+            asks[request.request_id] = asks.get(request.request_id, 0) + 1
+        return result
+
+    connector.get_num_new_matched_tokens = counted
+    harness.add_request("running", prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
+    deadline = time.monotonic() + 30
+    while "running" not in harness.scheduler.requests or not harness.block_tables.get("running"):
+        assert time.monotonic() < deadline, "the first request never ran"
+        harness.step()
+        time.sleep(0.01)
+    fetches = connector.routed.counters.values["fetches"]
+    harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
+    harness.step()  # submits its lookup
+    adapter = connector.scheduler_adapter
+    while adapter.check_lookup_result("waiting") is None:  # answered while the first still runs
+        assert time.monotonic() < deadline, "the lookup did not answer"
+        time.sleep(0.01)
+    harness.run_until_idle()
+    assert asks["waiting"] >= 3, f"the hit was meant to wait for blocks (answered asks: {asks['waiting']})"
+    assert connector.routed.counters.values["fetches"] == fetches + 1
+    assert harness.outputs["waiting"]["lmcache_r3_sources"]["lmcache_tokens"] == 4 * CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "waiting"), expected_rows(harness, "waiting", hit, 4))
+
+
 def test_rows_complete_although_request_finished_runs_before_the_last_steps_rows(r3_harness):
     """vLLM calls request_finished inside update_from_output, before update_connector_output brings that step's
     rows; the params dict returned then must still carry every row when the output leaves the engine."""
@@ -323,9 +363,11 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     assert wait_locks(server, 4) == 4
 
     request = harness.make_request("waiting", tokens)
+    fetches = connector.routed.counters.values["fetches"]
     assert lookup(connector, request)[0] == CHUNK  # KV for 4 chunks, R3 for 1: the joint hit; 3 chunks released
     assert lookup(connector, request)[0] == CHUNK  # vLLM could not allocate it and asks again
     assert locks_stay(server, 4) == 4, "the tail was released twice: the holder lost its locks"
+    assert connector.routed.counters.values["fetches"] == fetches + 1, "the R3 fetch was sent again at the re-ask"
 
     request.status = RequestStatus.FINISHED_ABORTED  # aborted while it waits: never admitted
     connector.request_finished(request, [])
