@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,31 @@ def engine_rounds(rounds: int, workdir: Path, shape: str, conversations: int) ->
     return result
 
 
+def run_session(script: Path, env: dict[str, str], log: Path, timeout_s: float = 1800.0) -> None:
+    """Run an engine session's script in a process group of its own; however this ends (done, failed, timed out,
+    or this benchmark stopped), nothing it started outlives it: it is asked to stop (its engines and server shut
+    down), then its group is killed (vLLM's engine core and worker processes are in it)."""
+    with log.open("wb") as output:
+        process = subprocess.Popen([sys.executable, str(script)], env=env, cwd=ROOT, stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code = process.wait(timeout=timeout_s)
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # whatever of the group is left (none after a clean stop)
+            except ProcessLookupError:
+                pass
+    if code:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"engine session {script.name} exited with {code}; the end of {log}:\n{tail}")
+
+
 def engine_session(rounds: int, workdir: Path, shape: str, conversations: int, on_first: bool) -> dict:
     """One session: both engines stay alive and take turns round by round (off-on, on-off, ...), so a slow minute
     of a shared machine weighs on both settings alike; a pause before every round lets the other engine's worker
@@ -106,6 +132,8 @@ def cpu_seconds():  # this process and every process below it by role: both engi
             pass
     return spent
 def main():
+    from lmcache_r3.launch import exit_on_sigterm
+    exit_on_sigterm()  # a stopped benchmark shuts its engines and server down (the finally below)
     if {WORKER_CORES!r} != "nobind":
         os.sched_setaffinity(0, {{0}})  # the front end, the engine cores and the server: core 0 (the workers: the rest)
     from lmcache_r3.demo import run as demo
@@ -174,7 +202,7 @@ if __name__ == "__main__":
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="ERROR", LMCACHE_LOG_LEVEL="ERROR",
                VLLM_CPU_OMP_THREADS_BIND=WORKER_CORES, LMCACHE_R3_BENCH_PROBE_DIR=str(probe_dir),
                PYTHONPATH=os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")])))  # fmt: skip
-    subprocess.run([sys.executable, str(script)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=1800)
+    run_session(script, env, workdir / f"engines-{name}.log")
     measured = json.loads(out.read_text())
     result: dict = {
         (kind, routed): measured[kind][str(routed)] for kind in ("wall", "cpu", "cached") for routed in (False, True)

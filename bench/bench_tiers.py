@@ -23,6 +23,10 @@ The adapters are driven in-process through ``L2AdapterInterface`` as LMCache's s
 ``submit_load_task`` into other memory objects until its bitmap comes, then ``submit_unlock``. Every get is checked
 byte for byte against what was put; a mismatch, a miss or a failed store stops the run.
 
+For the R3 batches the report also splits the two lmcache_r3 tiers' time: what a put and a get spent inside the
+tier's underlying calls (the shm tier's ``ShmObjectStore`` methods, the Mooncake tier's native client calls, timed
+by wrapping them) and the rest, the tier's own work around them.
+
 Each repeat runs every path once (the paths interleaved in a rotating order, fresh keys every time, objects deleted
 again untimed); one untimed warm-up repeat comes first. Figures are medians over ``--repeats``; ratios are ratios of
 medians.
@@ -61,6 +65,7 @@ from lmcache.v1.platform.event_notifier import consume_fd
 
 from lmcache_r3.artifacts import R3Profile, encode_run, encoded_nbytes
 from lmcache_r3.launch import LOOPBACK, TELEMETRY_OFF, exit_on_sigterm
+from lmcache_r3.tiers import mooncake_store
 from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
 from lmcache_r3.tiers.mooncake_config import settings_from_params
 from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
@@ -341,17 +346,53 @@ class Sample:
     put_s: float
     get_s: float
     lookup_s: float
+    inner: dict[str, float]
+    """Seconds inside the tier's underlying calls (see :class:`InnerCalls`), by operation: put, lookup, load."""
+
+
+class InnerCalls:
+    """Seconds spent inside a tier's underlying calls, summed per operation: the shm tier's ``ShmObjectStore``
+    methods (file system calls and checksums) and the Mooncake tier's native client calls (what raw Mooncake makes
+    too). One path runs at a time, so one accumulator serves every path."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, operation: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[operation] = self.seconds.get(operation, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+
+INNER = InnerCalls()
+MOONCAKE_NATIVE = {"_write": "put", "_write_parts": "put", "_exists": "lookup", "_read": "load", "_query": "load",
+                   "_read_parts": "load"}  # fmt: skip
+"""The Mooncake tier's native calls (module functions of ``mooncake_store``), by the operation that makes them."""
 
 
 def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarray) -> Sample:
     """Put the batch, get it back into ``target`` (through ``targets``), check every byte, delete it (untimed)."""
     keys = kind.keys(path.name, repeat)
+    INNER.take()
     started = time.perf_counter()
     path.put(kind, keys, sources)
     put_s = time.perf_counter() - started
+    inner = INNER.take()
     started = time.perf_counter()
     lookup_s = path.get(kind, keys, targets)
     get_s = time.perf_counter() - started
+    inner = {"put": inner.get("put", 0.0), **INNER.take()}
     if not np.array_equal(target, kind.source):
         bad = [
             i
@@ -361,7 +402,7 @@ def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarra
         raise BenchFailure(f"{path.name}: {len(bad)} of {kind.count} {kind.name} objects came back different: {bad}")
     target[:] = 0
     path.remove(keys)
-    return Sample(put_s, get_s, lookup_s)
+    return Sample(put_s, get_s, lookup_s, inner)
 
 
 def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[str, list[Sample]], int]:
@@ -379,7 +420,10 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
             "io_threads": SHM_IO_THREADS,
             "parallel_min_bytes": SHM_PARALLEL_MIN_BYTES,
         }
-        paths.append(AdapterPath("shm", ShmL2Adapter(dict(shm, root=shm_root))))
+        shm_tier = ShmL2Adapter(dict(shm, root=shm_root))
+        for name, operation in (("put", "put"), ("exists", "lookup"), ("get_into", "load")):
+            INNER.wrap(shm_tier._store, name, operation)
+        paths.append(AdapterPath("shm", shm_tier))
         fresh_root = os.path.join(shm_root, "fresh")  # its own root: the recycling tier's free files are not its
         paths.append(AdapterPath("shm_fresh", ShmL2Adapter(dict(shm, root=fresh_root, recycle_bytes=0))))
         paths.append(AdapterPath("fs", FSL2Adapter(FSL2AdapterConfig(base_path=fs_root))))
@@ -435,13 +479,17 @@ class Figures:
     put_ms: float
     get_ms: float
     lookup_ms: float
+    inner_ms: dict[str, float]
+    """Median milliseconds inside the tier's underlying calls, by operation (empty for the other paths)."""
 
 
 def figures(kind: Kind, samples: list[Sample]) -> Figures:
     put_s = statistics.median(s.put_s for s in samples)
     get_s = statistics.median(s.get_s for s in samples)
     lookup_s = statistics.median(s.lookup_s for s in samples)
-    return Figures(kind.total / put_s / 1e9, kind.total / get_s / 1e9, put_s * 1e3, get_s * 1e3, lookup_s * 1e3)
+    operations = sorted({operation for s in samples for operation in s.inner})
+    inner = {op: statistics.median(s.inner.get(op, 0.0) for s in samples) * 1e3 for op in operations}
+    return Figures(kind.total / put_s / 1e9, kind.total / get_s / 1e9, put_s * 1e3, get_s * 1e3, lookup_s * 1e3, inner)
 
 
 GOALS = (
@@ -574,6 +622,31 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
             f"them): {ms(tier.put_ms)} and {ms(staged.put_ms)} for the put, which shows how much the same call "
             "varies between two clients in one process on this machine.",
         ]
+    r3_kinds = [kind for kind in kinds if kind.name.startswith("R3")]
+    if r3_kinds:
+        out += [
+            "",
+            "Inside the tiers, the same R3 runs: the time a put and a get spent in the tier's underlying calls "
+            "(the shm tier's `ShmObjectStore` methods: its file system calls and checksums; the Mooncake tier's "
+            "native client calls, which raw Mooncake makes too), medians per batch, summed over the threads that "
+            "make them (the shm tier splits a batch of at least its `parallel_min_bytes` over its `io_threads`, so "
+            "there they can add up to more than the wall time); the rest is the tier's own work around them "
+            "(staging copies and checksums for Mooncake, the L2 tasks, their threads and event fds). A Mooncake "
+            "call made from the tier's call thread can take longer than the same call from the thread that "
+            "drives raw Mooncake (compare the tier's put calls with raw Mooncake's put).",
+            "",
+            "| path, batch | put | of which underlying calls | get | of which lookup calls | of which load calls "
+            "| rest of the get |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for kind in r3_kinds:
+            for name in ("shm", "mooncake"):
+                f = results[kind.name][name]
+                lookup, load = f.inner_ms.get("lookup", 0.0), f.inner_ms.get("load", 0.0)
+                out.append(
+                    f"| {LABELS[name].split(' (')[0]}, {kind.name} | {ms(f.put_ms)} | {ms(f.inner_ms.get('put', 0.0))} "
+                    f"| {ms(f.get_ms)} | {ms(lookup)} | {ms(load)} | {ms(f.get_ms - lookup - load)} |"
+                )
     return "\n".join(out) + "\n"
 
 
@@ -598,6 +671,8 @@ def main() -> int:
         if name.startswith("lmcache"):
             logging.getLogger(name).setLevel(logging.WARNING)
     command = " ".join(["python bench/bench_tiers.py", *sys.argv[1:]])
+    for name, operation in MOONCAKE_NATIVE.items():
+        INNER.wrap(mooncake_store, name, operation)
 
     kv_bytes = args.objects * 2 * KV_LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
     segment_mb = max(256, 3 * kv_bytes // 2**20 + 64)  # one tier batch + one raw batch + room below eviction
