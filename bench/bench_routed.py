@@ -310,17 +310,27 @@ def describe(shape_name: str) -> str:
     )
 
 
+def _per_call(calls: int, total: float) -> float:
+    return total / calls
+
+
+def _ms_per_call(calls: int, total: float) -> float:
+    return 1e3 * total / calls
+
+
+def _total(calls: int, total: float) -> float:
+    return total
+
+
 COUNTERS = (
-    ("scheduler.scheduled_tokens", "tokens scheduled per engine step", "{:.1f}", lambda calls, total: total / calls),
-    ("scheduler.idle_steps", "engine steps that scheduled nothing", "{:.0f}", lambda calls, total: total),
-    ("lookup.seconds", "a request's lookup, vLLM's first ask to the answer (ms)", "{:.1f}",
-     lambda calls, total: 1e3 * total / calls),
+    ("scheduler.scheduled_tokens", "tokens scheduled per engine step", "{:.1f}", _per_call),
+    ("scheduler.idle_steps", "engine steps that scheduled nothing", "{:.0f}", _total),
+    ("lookup.seconds", "a request's lookup, vLLM's first ask to the answer (ms)", "{:.1f}", _ms_per_call),
     ("lookup.seconds.chunked",
      "the same, requests spanning a full chunk past vLLM's own hit (R3 on: they fetch R3) (ms)", "{:.1f}",
-     lambda calls, total: 1e3 * total / calls),
-    ("lookup.seconds.short", "the same, requests that do not (ms)", "{:.1f}", lambda calls, total: 1e3 * total / calls),
-    ("lookup.asks", "vLLM's asks per lookup (one per engine step until it answers)", "{:.2f}",
-     lambda calls, total: total / calls),
+     _ms_per_call),
+    ("lookup.seconds.short", "the same, requests that do not (ms)", "{:.1f}", _ms_per_call),
+    ("lookup.asks", "vLLM's asks per lookup (one per engine step until it answers)", "{:.2f}", _per_call),
 )  # fmt: skip
 """Counters of ``probe/sitecustomize.py``: name, label, format, value from ``(calls, total)``."""
 
@@ -332,11 +342,11 @@ def probe_rows(probe: dict[tuple[str, bool], tuple[int, float]]) -> list[str]:
         off, on = (probe.get((timer, routed)) for routed in (False, True))
         if on is None or not on[0]:
             continue
-        on_ms = 1e3 * on[1] / on[0]
+        on_ms = _ms_per_call(*on)
         if off is None or not off[0]:  # R3's own work: nothing to compare with
             rows.append(f"| {label} | - | {on_ms:.3f} | {on_ms:+.3f} |")
         else:
-            off_ms = 1e3 * off[1] / off[0]
+            off_ms = _ms_per_call(*off)
             rows.append(f"| {label} | {off_ms:.3f} | {on_ms:.3f} | {on_ms - off_ms:+.3f} |")
     return rows
 

@@ -109,8 +109,9 @@ def _connector(module) -> None:
     def lookup(self, request, num_computed_tokens):
         """``lookup.seconds.chunked`` / ``.short``: [lookups, seconds from the first ask to the answer] of requests
         that span a full LMCache chunk past vLLM's own hit (only those fetch R3) and of the others;
-        ``lookup.asks``: [lookups, asks] (vLLM asks every step until LMCache's asynchronous lookup, and with R3 the
-        fetch, has answered)."""
+        ``lookup.asks``: [lookups, asks] (vLLM asks every step until LMCache's asynchronous KV lookup has answered;
+        the R3 fetch never makes an ask wait for the next step: the answering ask waits for it). A request asked
+        again after its lookup answered (vLLM could not allocate it) counts as a new lookup of one ask."""
         first = asked.setdefault(request.request_id, [time.perf_counter(), 0])
         first[1] += 1
         result = original(self, request, num_computed_tokens)

@@ -76,6 +76,9 @@ class _PendingFetch:
     call: R3Call | None = None
     """The call it was sent in, and its place there."""
     index: int = 0
+    end: int | None = None
+    """Where its R3 hit ends, once it answered: vLLM asks again when it could not allocate the request, and the
+    same answer serves (R3 objects never change)."""
 
 
 @dataclass
@@ -84,9 +87,6 @@ class _RequestState:
     fetch: _PendingFetch | None = None
     fetched: tuple[int, np.ndarray] | None = None
     """``(start, rows)`` of the R3 chunks LMCache returned for the current lookup."""
-    answered: tuple[int, int] | None = None
-    """``(start, end)`` of the R3 hit of the current lookup once its fetch answered: vLLM asks again when it could
-    not allocate the request, and the same answer serves (R3 objects never change)."""
     admitted: tuple[int, int] = (0, 0)
     """``(local hit, external tokens)`` of the latest admission from LMCache, until the request (re)starts."""
     blocks: list[int] = field(default_factory=list)
@@ -178,12 +178,10 @@ class RoutedExpertsBook:
         start = num_computed_tokens - num_computed_tokens % self.chunk_size
         if state.fetch is not None and state.fetch.start <= start:
             return
-        if state.fetch is None and state.answered is not None and state.answered[0] <= start:
-            return
         tokens = request.all_token_ids
         end = len(tokens) - len(tokens) % self.chunk_size
         state.fetch = _PendingFetch(start)
-        state.fetched = state.answered = None
+        state.fetched = None
         if self._server_answers() and end > start:
             self.counters.add("fetches")
             state.fetch.spec = (list(tokens[:end]), start, end, request.cache_salt or "")
@@ -208,22 +206,21 @@ class RoutedExpertsBook:
         lookup), at most the client's bound. A failed fetch is an R3 miss.
         """
         state = self._state(request)
-        if state.fetch is None and state.answered is not None:
-            return min(kv_hit_tokens, state.answered[1])  # asked again: the answer of this lookup's fetch
-        r3_end = self._fetched_end(state, request)
-        state.answered = (state.fetch.start if state.fetch else 0, r3_end)
-        state.fetch = None
-        if r3_end < kv_hit_tokens:
-            self.counters.add("joint_hits_shrunk")
-        return min(kv_hit_tokens, r3_end)
-
-    def _fetched_end(self, state: _RequestState, request: Any) -> int:
-        """Where the R3 hit of the lookup's fetch ends (its start when it failed); keeps the rows it returned."""
-        if state.fetch is not None and state.fetch.spec is not None:
-            self.send_fetches()  # the KV lookup answered before this step's fetches went out
         fetch = state.fetch
-        if fetch is None or fetch.call is None:
-            return fetch.start if fetch else 0
+        if fetch is None:
+            return 0
+        if fetch.end is None:  # its first answer; an ask again reuses it
+            fetch.end = self._fetched_end(state, fetch, request)
+            if fetch.end < kv_hit_tokens:
+                self.counters.add("joint_hits_shrunk")
+        return min(kv_hit_tokens, fetch.end)
+
+    def _fetched_end(self, state: _RequestState, fetch: _PendingFetch, request: Any) -> int:
+        """Where the R3 hit of ``fetch`` ends (its start when it failed); keeps the rows it returned."""
+        if fetch.spec is not None:
+            self.send_fetches()  # the KV lookup answered before this step's fetches went out
+        if fetch.call is None:
+            return fetch.start
         try:
             response = fetch.call.result(timeout=self.fetch_timeout_s).results[fetch.index]
             decoded = decode_run(response.objects, self.profile, fetch.start, self.chunk_size)
@@ -246,7 +243,7 @@ class RoutedExpertsBook:
         """The lookup found nothing to load past the local hit: the R3 fetch's answer is not needed."""
         state = self._state(request)
         state.fetch = None
-        state.fetched = state.answered = None
+        state.fetched = None
 
     def admitted(self, request_id: str, num_local_tokens: int, num_external_tokens: int) -> None:
         """The scheduler admitted ``num_external_tokens`` from LMCache past a local hit of ``num_local_tokens``."""
@@ -321,7 +318,7 @@ class RoutedExpertsBook:
         """A (re)starting request's first ``computed`` tokens: vLLM's hit, then LMCache's rows into the mirror."""
         admitted_external = state.admitted[1]
         state.admitted = (0, 0)
-        fetched, state.fetched, state.answered = state.fetched, None, None
+        fetched, state.fetched, state.fetch = state.fetched, None, None
         external = computed - local_end
         state.served = (local_end, external)
         self.counters.add("rows_from_prefix_cache", local_end)
