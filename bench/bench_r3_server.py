@@ -17,6 +17,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -209,8 +210,12 @@ def main() -> int:
             batches = {n: fetch_many_vs_fetches(r3, profile, n, 30) for n in (1, 8, 32)}
         worker.shutdown()
         scheduler.shutdown()
+    except BaseException:
+        print(f"bench_r3_server stopped; the server's log is in {logs}", file=sys.stderr)
+        raise
     finally:
         server.stop()
+    shutil.rmtree(logs, ignore_errors=True)
 
     kv_store, kv_retrieve = (statistics.median(column) for column in zip(*kv_samples, strict=True))
     r3_store, r3_fetch = (statistics.median(column) for column in zip(*r3_samples, strict=True))

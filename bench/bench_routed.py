@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -432,12 +433,17 @@ def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str
 
 def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) -> str:
     workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
-    measured = {
-        (name, conversations): engine_rounds(rounds, workdir, name, conversations)
-        for conversations in batches
-        for name in models
-    }
-    book = bookkeeping(concurrent, workdir)
+    try:
+        measured = {
+            (name, conversations): engine_rounds(rounds, workdir, name, conversations)
+            for conversations in batches
+            for name in models
+        }
+        book = bookkeeping(concurrent, workdir)
+    except BaseException:
+        print(f"bench_routed stopped; the logs of its engines and servers are in {workdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
     lines = [
         SECTION,
         "",

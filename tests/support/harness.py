@@ -15,6 +15,8 @@ The only fake here is the model: a GPU and real weights cannot run in a schedule
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -154,11 +156,13 @@ def _ensure_distributed(vllm_config) -> None:
     from vllm.distributed import parallel_state
 
     if parallel_state._WORLD is None:  # vLLM 0.32: module-global group, None until initialised
+        rendezvous = tempfile.mkdtemp(prefix="lmcache_r3-dist-")
+        atexit.register(shutil.rmtree, rendezvous, ignore_errors=True)  # gloo's file store, kept until exit
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='lmcache_r3-dist-')}",
+            distributed_init_method=f"file://{rendezvous}/store",
             backend="gloo",
         )
     if not parallel_state.model_parallel_is_initialized():
