@@ -19,6 +19,7 @@ import atexit
 import shutil
 import tempfile
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ class HarnessConfig:
     mq_timeout_s: float = 30.0
     routed_experts: bool = False
     """Run lmcache_r3's routed-experts path, with :class:`EmulatedRouter` standing in for the MoE routers."""
+    async_scheduling: bool = False
+    """vLLM's async scheduling, its default on GPU (the CPU platform turns it off): ``AsyncScheduler``, stepped as
+    ``EngineCore.step_with_batch_queue`` steps it, so step N+1 is scheduled before step N's output is processed."""
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,6 +138,9 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    if config.async_scheduling:
+        # As on GPU: two batches in flight, and vLLM defers freeing the blocks an in-flight step may still write.
+        vllm_config.scheduler_config.async_scheduling = True
     if config.kind == "hybrid":
         vllm_config.cache_config.mamba_cache_mode = "align"
     return vllm_config
@@ -204,6 +211,7 @@ class SchedulerHarness:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -213,6 +221,9 @@ class SchedulerHarness:
         self._config_context = set_current_vllm_config(self.vllm_config)
         self._config_context.__enter__()
         self.sampled_token = 7
+        """The token every step samples, except a request's stop token (:meth:`add_request` ``stop_after``)."""
+        self.stop_token = 5
+        self._stop_after: dict[str, int] = {}
         self.steps = 0
         try:
             _ensure_distributed(self.vllm_config)
@@ -232,7 +243,8 @@ class SchedulerHarness:
             self.worker.register_kv_caches(self.kv_caches)
             first_attention = self.kv_cache_config.kv_cache_groups[0].layer_names[0]
             self.pages = PageView(self.kv_cache_config, self.kv_caches[first_attention].untyped_storage())
-            self.scheduler = Scheduler(
+            scheduler_class = AsyncScheduler if config.async_scheduling else Scheduler
+            self.scheduler = scheduler_class(
                 vllm_config=self.vllm_config,
                 kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -249,10 +261,14 @@ class SchedulerHarness:
         self.real_blocks: dict[str, list[dict[int, int]]] = {}
         """Per request and group, block index -> the last non-null block id it ever had (align-mode Mamba
         replaces a request's older checkpoints by the null block as it advances)."""
+        self.times_scheduled: Counter[str] = Counter()
+        """Per request, the steps that ran it."""
         self.outputs: dict[str, Any] = {}
         """Per finished request, its ``kv_transfer_params`` as the engine returned them."""
         self.router: EmulatedRouter | None = None
         self._scheduled: Any = None
+        self._batch_queue: deque[tuple[Any, Any]] = deque()
+        """Async scheduling: the steps scheduled and run whose output the scheduler has not processed yet."""
         if config.routed_experts:
             model = self.vllm_config.model_config
             self.router = EmulatedRouter(
@@ -302,13 +318,14 @@ class SchedulerHarness:
         return {layer: b"".join(bytes(self.pages.page(layer, b).numpy()) for b in blocks) for layer in layers}
 
     # -- requests --------------------------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4):
+    def make_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4, stop_after: int | None = None):
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        stop = {} if stop_after is None else {"stop_token_ids": [self.stop_token]}
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **stop)
         params.update_from_generation_config({}, 2)
         return Request(
             request_id=request_id,
@@ -318,19 +335,53 @@ class SchedulerHarness:
             block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
         )
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 4) -> None:
-        self.scheduler.add_request(self.make_request(request_id, prompt, max_tokens))
+    def add_request(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int = 4, stop_after: int | None = None
+    ) -> None:
+        """Queue a request; with ``stop_after``, its output token of that index (from 0) is its stop token, so it
+        finishes there as on an EOS, a finish the scheduler cannot foresee (async scheduling has already scheduled
+        the request's next step)."""
+        if stop_after is not None:
+            self._stop_after[request_id] = stop_after
+        self.scheduler.add_request(self.make_request(request_id, prompt, max_tokens, stop_after))
+
+    def sampled(self, request_id: str, index: int) -> int:
+        """The token the request's output token ``index`` (from 0) is sampled as."""
+        return self.stop_token if self._stop_after.get(request_id) == index else self.sampled_token
+
+    def sequence(self, request_id: str, prompt: Sequence[int], num_outputs: int) -> list[int]:
+        """The prompt and the first ``num_outputs`` tokens the request samples."""
+        return list(prompt) + [self.sampled(request_id, i) for i in range(num_outputs)]
 
     def step(self):
-        """One engine step: schedule, run the worker connector as the model runner would, feed outputs back."""
-        out = self.scheduler.schedule()
-        engine_outputs = self.scheduler.update_from_output(out, self.run_worker(out))
+        """One engine step: schedule, run the worker connector as the model runner would, feed outputs back.
+
+        With async scheduling, as ``EngineCore.step_with_batch_queue``: a step is scheduled and run while the one
+        before it is still unprocessed, and the oldest step's output is processed once two are in flight (or
+        nothing more can be scheduled). The worker runs each step as it is scheduled, as a GPU would, in order.
+        Returns the ``SchedulerOutput`` scheduled in this call (when none was: the one whose output it processed).
+        """
+        if not self.config.async_scheduling:
+            out = self.scheduler.schedule()
+            self._process(out, self.run_worker(out))
+            return out
+        out = None
+        if self.scheduler.has_requests() or not self._batch_queue:  # the latter: requests only LMCache holds
+            out = self.scheduler.schedule()
+            self._batch_queue.appendleft((out, self.run_worker(out)))
+            if len(self._batch_queue) < 2 and self.scheduler.has_requests():
+                return out
+        oldest, model_runner_output = self._batch_queue.pop()
+        self._process(oldest, model_runner_output)
+        return oldest if out is None else out
+
+    def _process(self, out, model_runner_output) -> None:
+        engine_outputs = self.scheduler.update_from_output(out, model_runner_output)
         for client_outputs in engine_outputs.values():
             for output in client_outputs.outputs:
                 if output.finish_reason is not None:
                     self.outputs[output.request_id] = output.kv_transfer_params
         self.steps += 1
-        return out
 
     def run_worker(self, out):
         """The model runner's part of a step: the worker connector around a forward pass; its ``ModelRunnerOutput``."""
@@ -358,6 +409,7 @@ class SchedulerHarness:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = tuple(list(ids) for ids in new.block_ids)
         scheduled = list(out.num_scheduled_tokens)
+        self.times_scheduled.update(scheduled)
         for request_id in scheduled:
             tables = self.scheduler.kv_cache_manager.get_block_ids(request_id)
             self.final_block_tables[request_id] = tuple(list(ids) for ids in tables)
@@ -369,7 +421,9 @@ class SchedulerHarness:
             request = self.scheduler.requests[request_id]
             # A token is sampled only once the whole prompt (and every earlier output) has been computed.
             done_prefill = request.num_computed_tokens >= request.num_tokens
-            sampled.append([self.sampled_token] if done_prefill else [])
+            # Its position is num_computed_tokens: after every token this step computes.
+            index = request.num_computed_tokens - request.num_prompt_tokens
+            sampled.append([self.sampled(request_id, index)] if done_prefill else [])
         return ModelRunnerOutput(
             req_ids=scheduled,
             req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
@@ -395,16 +449,23 @@ class SchedulerHarness:
             blocks = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0], dtype=np.int64)
             positions = np.arange(start, end)
             slots.append(blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
-            rows.append(self.router.rows(request.all_token_ids, start, end))
+            # Async scheduling runs a step before the tokens sampled in the step before it are appended (a GPU
+            # feeds them forward itself).
+            tokens = self.sequence(request_id, request.prompt_token_ids, max(0, end - request.num_prompt_tokens))
+            rows.append(self.router.rows(tokens, start, end))
         if not slots:
             return np.zeros(0, dtype=np.int64), np.zeros((0, *self.router.shape), dtype=np.int32)
         return np.concatenate(slots), np.concatenate(rows)
+
+    def busy(self) -> bool:
+        """Requests still waiting or running, or (async scheduling) steps whose output is not processed yet."""
+        return bool(self.scheduler.has_requests() or self.scheduler.requests or self._batch_queue)
 
     def run_until_idle(self, max_steps: int = 400, timeout_s: float = 60.0) -> int:
         """Step until every request finished and the connector has released them (stores drained)."""
         deadline = time.monotonic() + timeout_s
         steps = 0
-        while self.scheduler.has_requests() or self.scheduler.requests:
+        while self.busy():
             if steps >= max_steps or time.monotonic() > deadline:
                 raise TimeoutError(
                     f"scheduler still has {len(self.scheduler.requests)} requests after {steps} steps "
