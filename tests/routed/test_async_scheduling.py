@@ -12,12 +12,17 @@ as the synchronous tests do.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
-from tests.routed.test_harness_routed import expected_rows, prompt, returned_rows
+from tests.routed.test_harness_routed import (
+    chunked_prefill_of_concurrent_requests_then_lmcache_hits,
+    cold_then_lmcache_hit_then_prefix_cache_hit,
+    expected_rows,
+    preempted_requests_return_exact_rows,
+    prompt,
+    returned_rows,
+)
 from tests.support.harness import wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
@@ -51,38 +56,13 @@ def test_the_harness_runs_vllms_async_scheduler_with_two_steps_in_flight(async_h
 
 def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(async_harness, own_r3_server):
     harness = async_harness()
-    book = harness.scheduler.connector.routed
-    tokens = prompt(4 * CHUNK + 19, seed=1)
-    harness.generate([("cold", tokens)], max_tokens=4)
-    cold = returned_rows(harness, "cold")
-    np.testing.assert_array_equal(cold, expected_rows(harness, "cold", tokens, 4))
-    book.settle(10)
-
-    harness.reset_prefix_cache()
-    harness.generate([("warm", tokens)], max_tokens=4)
-    np.testing.assert_array_equal(returned_rows(harness, "warm"), cold)
-    assert book.counters.values["rows_from_lmcache"] == 4 * CHUNK
-
-    harness.generate([("local", tokens)], max_tokens=4)
-    np.testing.assert_array_equal(returned_rows(harness, "local"), cold)
-    assert book.counters.values["rows_from_prefix_cache"] >= 4 * CHUNK
-    assert book.counters.values["requests_incomplete"] == 0
+    cold_then_lmcache_hit_then_prefix_cache_hit(harness)
+    assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
     assert wait_locks(own_r3_server, 0) == 0
 
 
 def test_chunked_prefill_of_concurrent_requests_sharing_prefixes_then_lmcache_hits(async_harness, own_r3_server):
-    harness = async_harness(max_num_batched_tokens=48)  # steps end inside blocks and chunks
-    base = prompt(2 * CHUNK + 40, seed=4)
-    requests = {f"c{i}": base[: 50 + 40 * i] + prompt(30, seed=40 + i) for i in range(4)}
-    harness.generate(requests.items(), max_tokens=5)
-    harness.scheduler.connector.routed.settle(10)
-    harness.reset_prefix_cache()
-    again = {f"again{i}": tokens for i, tokens in enumerate(requests.values())}
-    harness.generate(again.items(), max_tokens=5)
-    for request_id, tokens in (requests | again).items():
-        np.testing.assert_array_equal(returned_rows(harness, request_id), expected_rows(harness, request_id, tokens, 5))
-    sources = [harness.outputs[f"again{i}"]["lmcache_r3_sources"] for i in range(4)]
-    assert sum(s["lmcache_tokens"] for s in sources) > 0, sources
+    chunked_prefill_of_concurrent_requests_then_lmcache_hits(async_harness(max_num_batched_tokens=48))
     assert wait_locks(own_r3_server, 0) == 0
 
 
@@ -128,21 +108,7 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
 
 def test_preempted_requests_return_exact_rows(async_harness, own_r3_server):
     harness = async_harness(num_blocks=14, max_num_batched_tokens=64)
-    requests = {f"p{i}": prompt(150, seed=50 + i) for i in range(3)}
-    for request_id, tokens in requests.items():
-        harness.add_request(request_id, tokens, max_tokens=60)
-    harness.step()  # submits the three LMCache lookups
-    # Admit all three together (one running alone would finish before the next is looked up, and none be preempted).
-    adapter, deadline = harness.scheduler.connector.scheduler_adapter, time.monotonic() + 30
-    while any(adapter.check_lookup_result(r) is None for r in requests) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    preempted: set[str] = set()
-    while harness.busy():
-        preempted |= set(harness.step().preempted_req_ids or ())
-    assert preempted, "the pool was meant to force a preemption"
-    for request_id, tokens in requests.items():
-        expected = expected_rows(harness, request_id, tokens, 60)
-        np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
+    preempted_requests_return_exact_rows(harness)
     assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
     assert wait_locks(own_r3_server, 0) == 0
 

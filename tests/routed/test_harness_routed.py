@@ -47,8 +47,9 @@ def r3_harness(scheduler_harness_factory, r3_server):
     return build
 
 
-def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(r3_harness):
-    harness = r3_harness()
+def cold_then_lmcache_hit_then_prefix_cache_hit(harness) -> None:
+    """A cold run, the same prompt from LMCache after vLLM's prefix cache was reset, then from vLLM's own prefix
+    cache: the three return the router's rows (the scenario of this test and of the async-scheduling one)."""
     book = harness.scheduler.connector.routed
     tokens = prompt(4 * CHUNK + 19, seed=1)
     harness.generate([("cold", tokens)], max_tokens=4)
@@ -66,6 +67,10 @@ def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(r3_har
     harness.generate([("local", tokens)], max_tokens=4)  # vLLM's own prefix cache holds it now
     np.testing.assert_array_equal(returned_rows(harness, "local"), cold)
     assert book.counters.values["rows_from_prefix_cache"] >= 4 * CHUNK
+
+
+def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(r3_harness):
+    cold_then_lmcache_hit_then_prefix_cache_hit(r3_harness())
 
 
 def test_prefixes_shared_by_different_suffixes_at_unaligned_lengths(r3_harness):
@@ -97,8 +102,9 @@ def test_routed_experts_reads_a_request_output(r3_harness):
     np.testing.assert_array_equal(routed_experts(Output()), expected_rows(harness, "r", tokens, 2))
 
 
-def test_chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness):
-    harness = r3_harness(max_num_batched_tokens=48)  # steps end inside blocks and chunks
+def chunked_prefill_of_concurrent_requests_then_lmcache_hits(harness) -> None:
+    """Concurrent requests sharing prefixes of unaligned lengths, in steps that end inside blocks and chunks (the
+    harness built with ``max_num_batched_tokens=48``), then the same prompts again from LMCache."""
     base = prompt(2 * CHUNK + 40, seed=4)
     requests = {f"c{i}": base[: 50 + 40 * i] + prompt(30, seed=40 + i) for i in range(4)}
     harness.generate(requests.items(), max_tokens=5)
@@ -112,8 +118,13 @@ def test_chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness):
     assert sum(s["lmcache_tokens"] for s in sources) > 0, sources
 
 
-def test_preempted_requests_return_exact_rows(r3_harness):
-    harness = r3_harness(num_blocks=14, max_num_batched_tokens=64)  # 13 usable blocks: 416 tokens
+def test_chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness):
+    chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness(max_num_batched_tokens=48))
+
+
+def preempted_requests_return_exact_rows(harness) -> None:
+    """Three requests admitted together into a pool too small for them (the harness built with ``num_blocks=14``,
+    ``max_num_batched_tokens=64``: 13 usable blocks, 416 tokens): vLLM preempts, and every row is still exact."""
     requests = {f"p{i}": prompt(150, seed=50 + i) for i in range(3)}
     preempted: set[str] = set()
     for request_id, tokens in requests.items():
@@ -123,13 +134,16 @@ def test_preempted_requests_return_exact_rows(r3_harness):
     adapter, deadline = harness.scheduler.connector.scheduler_adapter, time.monotonic() + 30
     while any(adapter.check_lookup_result(r) is None for r in requests) and time.monotonic() < deadline:
         time.sleep(0.01)
-    while harness.scheduler.has_requests() or harness.scheduler.requests:
-        out = harness.step()
-        preempted |= set(out.preempted_req_ids or ())
+    while harness.busy():
+        preempted |= set(harness.step().preempted_req_ids or ())
     assert preempted, "the pool was meant to force a preemption"
     for request_id, tokens in requests.items():
         expected = expected_rows(harness, request_id, tokens, 60)
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
+
+
+def test_preempted_requests_return_exact_rows(r3_harness):
+    preempted_requests_return_exact_rows(r3_harness(num_blocks=14, max_num_batched_tokens=64))
 
 
 def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_serves_it(r3_harness):
