@@ -146,6 +146,29 @@ def test_preempted_requests_return_exact_rows(r3_harness):
     preempted_requests_return_exact_rows(r3_harness(num_blocks=14, max_num_batched_tokens=64))
 
 
+def test_speculative_decoding_returns_and_publishes_only_the_rows_of_accepted_tokens(r3_harness):
+    """vLLM schedules draft tokens (its ngram method; the harness proposes the drafts, one in three wrong); a
+    step computes the rows of its drafts as the model sees them, and a rejected draft's row differs from the row
+    of the token that replaces it. Every returned row, and every chunk served from LMCache afterwards, is the
+    row of the accepted sequence."""
+    # LMCache stores decode-phase KV (here: the second chunk) only with save_decode_cache.
+    harness = r3_harness(num_speculative_tokens=3, extra_config={"lmcache.mp.save_decode_cache": True})
+    book = harness.scheduler.connector.routed
+    tokens = prompt(CHUNK + 30, seed=9)
+    harness.generate([("spec", tokens)], max_tokens=70)  # decodes across the second and third chunk boundaries
+    assert harness.drafts_rejected > 0 and harness.times_scheduled["spec"] < 70, "drafts were accepted and rejected"
+    rows = returned_rows(harness, "spec")
+    np.testing.assert_array_equal(rows, expected_rows(harness, "spec", tokens, 70))
+    assert book.counters.values["chunks_published"] == 2
+    book.settle(10)
+
+    harness.reset_prefix_cache()
+    whole = tokens + [harness.sampled_token] * 70
+    harness.generate([("again", whole)], max_tokens=3)
+    assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] == 2 * CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 3))
+
+
 def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_serves_it(r3_harness):
     """A request whose LMCache hit answered while the pool is full waits: vLLM asks ``get_num_new_matched_tokens``
     again every step until it can allocate. The R3 fetched for the lookup serves every ask (the server is not asked

@@ -47,6 +47,9 @@ class HarnessConfig:
     mq_timeout_s: float = 30.0
     routed_experts: bool = False
     """Run lmcache_r3's routed-experts path, with :class:`EmulatedRouter` standing in for the MoE routers."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding with this many draft tokens a step (vLLM's ngram method, so no draft model; the harness
+    proposes the drafts itself: see :meth:`SchedulerHarness.drafts`)."""
     async_scheduling: bool = False
     """vLLM's async scheduling, its default on GPU (the CPU platform turns it off): ``AsyncScheduler``, stepped as
     ``EngineCore.step_with_batch_queue`` steps it, so step N+1 is scheduled before step N's output is processed."""
@@ -107,7 +110,9 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -119,8 +124,17 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
         "lmcache_r3.routed_experts": config.routed_experts,
         **config.extra_config,
     }
+    model_config = ModelConfig(model=str(model_dir), dtype="float32", seed=42)
+    parallel_config = ParallelConfig()
+    speculative = {}
+    if config.num_speculative_tokens:
+        speculative["speculative_config"] = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=config.num_speculative_tokens, prompt_lookup_min=1,
+            prompt_lookup_max=3, target_model_config=model_config, target_parallel_config=parallel_config,
+        )  # fmt: skip
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=42),
+        model_config=model_config,
+        parallel_config=parallel_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -136,6 +150,7 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
             kv_connector_extra_config=extra,
         ),
         device_config=DeviceConfig("cpu"),
+        **speculative,
     )
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     if config.async_scheduling:
@@ -224,6 +239,10 @@ class SchedulerHarness:
         """The token every step samples, except a request's stop token (:meth:`add_request` ``stop_after``)."""
         self.stop_token = 5
         self._stop_after: dict[str, int] = {}
+        self.wrong_draft = 11
+        """What :meth:`drafts` proposes for every output index ``i`` with ``i % 3 == 1``: the model samples
+        ``sampled_token`` there, so that draft and the ones after it are rejected."""
+        self.drafts_rejected = 0
         self.steps = 0
         try:
             _ensure_distributed(self.vllm_config)
@@ -382,6 +401,30 @@ class SchedulerHarness:
                 if output.finish_reason is not None:
                     self.outputs[output.request_id] = output.kv_transfer_params
         self.steps += 1
+        if self.config.num_speculative_tokens:
+            self._propose_drafts(out)
+
+    def drafts(self, request_id: str, index: int) -> list[int]:
+        """The draft tokens proposed for a request's output tokens ``index, index + 1, ...``: what the model
+        samples, except ``wrong_draft`` for every index ``i`` with ``i % 3 == 1``."""
+        return [
+            self.wrong_draft if i % 3 == 1 else self.sampled(request_id, i)
+            for i in range(index, index + self.config.num_speculative_tokens)
+        ]
+
+    def _propose_drafts(self, out) -> None:
+        """As vLLM's engine does after each step: drafts for the requests that step decoded."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids = [
+            request_id
+            for request_id in out.num_scheduled_tokens
+            if (request := self.scheduler.requests.get(request_id)) is not None
+            and not request.is_finished()
+            and request.num_computed_tokens >= request.num_tokens - 1
+        ]
+        proposals = [self.drafts(r, self.scheduler.requests[r].num_output_tokens) for r in ids]
+        self.scheduler.update_draft_token_ids(DraftTokenIds(ids, proposals))
 
     def run_worker(self, out):
         """The model runner's part of a step: the worker connector around a forward pass; its ``ModelRunnerOutput``."""
@@ -419,11 +462,16 @@ class SchedulerHarness:
         sampled = []
         for request_id in scheduled:
             request = self.scheduler.requests[request_id]
+            drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
             # A token is sampled only once the whole prompt (and every earlier output) has been computed.
-            done_prefill = request.num_computed_tokens >= request.num_tokens
-            # Its position is num_computed_tokens: after every token this step computes.
-            index = request.num_computed_tokens - request.num_prompt_tokens
-            sampled.append([self.sampled(request_id, index)] if done_prefill else [])
+            done_prefill = request.num_computed_tokens - len(drafts) >= request.num_tokens
+            # The first one goes after every token this step computes but its drafts; each draft the model would
+            # have sampled too is accepted, and the model's own token follows the last accepted one.
+            index = request.num_computed_tokens - len(drafts) - request.num_prompt_tokens
+            tokens = [self.sampled(request_id, index + j) for j in range(len(drafts) + 1)]
+            accepted = next((j for j, draft in enumerate(drafts) if draft != tokens[j]), len(drafts))
+            self.drafts_rejected += len(drafts) - accepted
+            sampled.append(tokens[: accepted + 1] if done_prefill else [])
         return ModelRunnerOutput(
             req_ids=scheduled,
             req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
@@ -450,8 +498,10 @@ class SchedulerHarness:
             positions = np.arange(start, end)
             slots.append(blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
             # Async scheduling runs a step before the tokens sampled in the step before it are appended (a GPU
-            # feeds them forward itself).
-            tokens = self.sequence(request_id, request.prompt_token_ids, max(0, end - request.num_prompt_tokens))
+            # feeds them forward itself). A speculative step computes its drafts, as the model sees them.
+            drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
+            known = max(0, end - len(drafts) - request.num_prompt_tokens)
+            tokens = self.sequence(request_id, request.prompt_token_ids, known) + list(drafts)
             rows.append(self.router.rows(tokens, start, end))
         if not slots:
             return np.zeros(0, dtype=np.int64), np.zeros((0, *self.router.shape), dtype=np.int32)
