@@ -34,9 +34,10 @@ def returned_rows(harness, request_id: str) -> np.ndarray:
     return decode_routed_experts(params[ROUTED_EXPERTS_KEY])
 
 
-def expected_rows(harness, request_id: str, tokens: list[int], max_tokens: int) -> np.ndarray:
-    all_tokens = tokens + [harness.sampled_token] * max_tokens
-    return harness.router.routed_experts(all_tokens, harness.scheduler.connector.r3_profile.dtype)
+def expected_rows(harness, request_id: str, tokens: list[int], num_outputs: int) -> np.ndarray:
+    """What the request must return: the router's rows of its prompt and the ``num_outputs`` tokens it sampled."""
+    sequence = harness.sequence(request_id, tokens, num_outputs)
+    return harness.router.routed_experts(sequence, harness.scheduler.connector.r3_profile.dtype)
 
 
 @pytest.fixture
@@ -163,7 +164,7 @@ def test_speculative_decoding_returns_and_publishes_only_the_rows_of_accepted_to
     book.settle(10)
 
     harness.reset_prefix_cache()
-    whole = tokens + [harness.sampled_token] * 70
+    whole = harness.sequence("spec", tokens, 70)
     harness.generate([("again", whole)], max_tokens=3)
     assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] == 2 * CHUNK
     np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 3))

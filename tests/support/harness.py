@@ -416,14 +416,15 @@ class SchedulerHarness:
         """As vLLM's engine does after each step: drafts for the requests that step decoded."""
         from vllm.v1.outputs import DraftTokenIds
 
-        ids = [
-            request_id
+        decoding = [
+            request
             for request_id in out.num_scheduled_tokens
             if (request := self.scheduler.requests.get(request_id)) is not None
             and not request.is_finished()
             and request.num_computed_tokens >= request.num_tokens - 1
         ]
-        proposals = [self.drafts(r, self.scheduler.requests[r].num_output_tokens) for r in ids]
+        ids = [request.request_id for request in decoding]
+        proposals = [self.drafts(request.request_id, request.num_output_tokens) for request in decoding]
         self.scheduler.update_draft_token_ids(DraftTokenIds(ids, proposals))
 
     def run_worker(self, out):
