@@ -6,6 +6,10 @@ Async scheduling changes three orders the routed-experts bookkeeping depends on:
 out, LMCache rows written, vLLM prefix hits taken) before step N's rows arrive; a request that stops on a token keeps
 running one more step, which computes that last token (a row no output carries); and a block freed while a step in
 flight still writes it goes back to the pool only once that step's output is processed.
+Speculative decoding under async scheduling (EAGLE, MTP, ngram_gpu on a GPU) adds a fourth: the scheduler schedules
+placeholder drafts and counts them as computed until it processes their step, while the model runner, which fills the
+drafts in, already knows which were rejected and computes the next step at the corrected positions, in slots the
+scheduler still counts as holding drafts.
 Each test compares every returned row with :class:`tests.support.harness.EmulatedRouter`'s rows for the same tokens,
 as the synchronous tests do.
 """
@@ -16,12 +20,14 @@ import numpy as np
 import pytest
 
 from tests.routed.test_harness_routed import (
+    SPECULATIVE,
     chunked_prefill_of_concurrent_requests_then_lmcache_hits,
     cold_then_lmcache_hit_then_prefix_cache_hit,
     expected_rows,
     preempted_requests_return_exact_rows,
     prompt,
     returned_rows,
+    speculative_drafts_return_and_publish_only_accepted_rows,
 )
 from tests.support.harness import wait_locks
 
@@ -125,3 +131,40 @@ def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its
     harness.generate([("again", whole)], max_tokens=2)
     np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 2))
     assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
+
+
+def test_speculative_drafts_under_async_scheduling_return_and_publish_only_accepted_rows(async_harness, own_r3_server):
+    """The runner fills in the placeholder drafts (one in three wrong) and computes each step at positions corrected
+    for the drafts it rejected in the step before; every returned row and every chunk served from LMCache later is
+    the accepted sequence's."""
+    harness = async_harness(**SPECULATIVE)
+    speculative_drafts_return_and_publish_only_accepted_rows(harness)
+    assert harness.positions_corrected > 0, "steps ran at positions the scheduler had not rolled back yet"
+    assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
+    assert wait_locks(own_r3_server, 0) == 0
+
+
+def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix_and_one_stop_token(async_harness):
+    """Three requests decode with drafts in the same steps, two of them over a shared prompt prefix (vLLM's prefix
+    hit for the later one), one ending on a stop token the scheduler cannot foresee: each returns exactly its own
+    rows, and a later LMCache hit on a whole sequence returns exact rows."""
+    harness = async_harness(**SPECULATIVE)
+    shared = prompt(CHUNK + 10, seed=21)
+    prompts = {"a": shared + prompt(7, seed=22), "b": shared + prompt(19, seed=23), "c": prompt(50, seed=24)}
+    outputs = {"a": 40, "b": 18, "c": 25}
+    harness.add_request("a", prompts["a"], max_tokens=40)
+    harness.step()  # "a" computes the shared prefix first, so "b" hits it in vLLM's prefix cache
+    harness.add_request("b", prompts["b"], max_tokens=40, stop_after=17)
+    harness.add_request("c", prompts["c"], max_tokens=25)
+    harness.run_until_idle()
+    assert harness.drafts_rejected > 0 and harness.positions_corrected > 0
+    assert harness.outputs["b"]["lmcache_r3_sources"]["vllm_cached_tokens"] >= CHUNK
+    for request_id, tokens in prompts.items():
+        rows = returned_rows(harness, request_id)
+        np.testing.assert_array_equal(rows, expected_rows(harness, request_id, tokens, outputs[request_id]))
+    harness.scheduler.connector.routed.settle(10)
+    harness.reset_prefix_cache()
+    whole = harness.sequence("a", prompts["a"], outputs["a"])
+    harness.generate([("again", whole)], max_tokens=2)
+    assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 2))

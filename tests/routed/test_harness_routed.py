@@ -147,13 +147,22 @@ def test_preempted_requests_return_exact_rows(r3_harness):
     preempted_requests_return_exact_rows(r3_harness(num_blocks=14, max_num_batched_tokens=64))
 
 
+SPECULATIVE = {"num_speculative_tokens": 3, "extra_config": {"lmcache.mp.save_decode_cache": True}}
+"""Three drafts a step; LMCache stores decode-phase KV (the second chunk of the scenario below) only with
+``save_decode_cache``."""
+
+
 def test_speculative_decoding_returns_and_publishes_only_the_rows_of_accepted_tokens(r3_harness):
     """vLLM schedules draft tokens (its ngram method; the harness proposes the drafts, one in three wrong); a
     step computes the rows of its drafts as the model sees them, and a rejected draft's row differs from the row
     of the token that replaces it. Every returned row, and every chunk served from LMCache afterwards, is the
     row of the accepted sequence."""
-    # LMCache stores decode-phase KV (here: the second chunk) only with save_decode_cache.
-    harness = r3_harness(num_speculative_tokens=3, extra_config={"lmcache.mp.save_decode_cache": True})
+    speculative_drafts_return_and_publish_only_accepted_rows(r3_harness(**SPECULATIVE))
+
+
+def speculative_drafts_return_and_publish_only_accepted_rows(harness) -> None:
+    """One request decoding with drafts across two chunk boundaries: exact rows, two chunks published, and a later
+    LMCache hit on the whole sequence returns exact rows."""
     book = harness.scheduler.connector.routed
     tokens = prompt(CHUNK + 30, seed=9)
     harness.generate([("spec", tokens)], max_tokens=70)  # decodes across the second and third chunk boundaries

@@ -48,12 +48,30 @@ class HarnessConfig:
     routed_experts: bool = False
     """Run lmcache_r3's routed-experts path, with :class:`EmulatedRouter` standing in for the MoE routers."""
     num_speculative_tokens: int = 0
-    """Speculative decoding with this many draft tokens a step (vLLM's ngram method, so no draft model; the harness
-    proposes the drafts itself: see :meth:`SchedulerHarness.drafts`)."""
+    """Speculative decoding with this many draft tokens a step (no draft model: the harness proposes the drafts
+    itself, see :meth:`SchedulerHarness.drafts`). Synchronous scheduling uses vLLM's ngram method, whose drafts the
+    engine hands to the scheduler; under async scheduling (an EAGLE/MTP-style drafter on the GPU) the scheduler
+    schedules placeholders and the model runner fills in the drafts and corrects positions itself."""
     async_scheduling: bool = False
     """vLLM's async scheduling, its default on GPU (the CPU platform turns it off): ``AsyncScheduler``, stepped as
     ``EngineCore.step_with_batch_queue`` steps it, so step N+1 is scheduled before step N's output is processed."""
     extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Computes:
+    """What the emulated model runner computes for one request in one step."""
+
+    start: int
+    """The first position it computes."""
+    end: int
+    """The position after the last one."""
+    drafts: tuple[int, ...]
+    """The draft tokens it computes (at its last ``len(drafts)`` positions), as the runner filled them in."""
+    output_index: int
+    """The index (from 0) of the first output token it samples: the one after position ``end - len(drafts) - 1``."""
+    samples: bool
+    """Whether it samples at all (only once the prompt and every earlier output are computed)."""
 
 
 class EmulatedRouter:
@@ -128,6 +146,9 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
     parallel_config = ParallelConfig()
     speculative = {}
     if config.num_speculative_tokens:
+        # vLLM refuses async scheduling with the ngram method (its drafter runs on the host, after the step); the
+        # scheduler itself only sees the number of drafts. Under async scheduling the harness plays a drafter that
+        # runs inside the model runner, as EAGLE, MTP and ngram_gpu do on a GPU.
         speculative["speculative_config"] = SpeculativeConfig(
             method="ngram", num_speculative_tokens=config.num_speculative_tokens, prompt_lookup_min=1,
             prompt_lookup_max=3, target_model_config=model_config, target_parallel_config=parallel_config,
@@ -243,6 +264,9 @@ class SchedulerHarness:
         """What :meth:`drafts` proposes for every output index ``i`` with ``i % 3 == 1``: the model samples
         ``sampled_token`` there, so that draft and the ones after it are rejected."""
         self.drafts_rejected = 0
+        self.positions_corrected = 0
+        """Async scheduling with drafts: requests the runner computed at positions behind the scheduler's, which
+        still counted drafts of a step in flight that the runner had already rejected."""
         self.steps = 0
         try:
             _ensure_distributed(self.vllm_config)
@@ -286,6 +310,12 @@ class SchedulerHarness:
         """Per finished request, its ``kv_transfer_params`` as the engine returned them."""
         self.router: EmulatedRouter | None = None
         self._scheduled: Any = None
+        self._computing: dict[str, _Computes] = {}
+        """Per request of the step the worker runs, what it computes (:meth:`_plan`)."""
+        self._rejections_in_flight: dict[int, dict[str, int]] = {}
+        """Async scheduling with drafts: per step run but not yet processed (by ``id`` of its ``SchedulerOutput``),
+        the drafts it rejected per request. The scheduler has advanced those requests as if every draft was
+        accepted; the model runner knows better and computes at the true positions, as vLLM's GPU runner does."""
         self._batch_queue: deque[tuple[Any, Any]] = deque()
         """Async scheduling: the steps scheduled and run whose output the scheduler has not processed yet."""
         if config.routed_experts:
@@ -395,14 +425,15 @@ class SchedulerHarness:
         return oldest if out is None else out
 
     def _process(self, out, model_runner_output) -> None:
+        self._rejections_in_flight.pop(id(out), None)  # the scheduler rolls them back now
         engine_outputs = self.scheduler.update_from_output(out, model_runner_output)
         for client_outputs in engine_outputs.values():
             for output in client_outputs.outputs:
                 if output.finish_reason is not None:
                     self.outputs[output.request_id] = output.kv_transfer_params
         self.steps += 1
-        if self.config.num_speculative_tokens:
-            self._propose_drafts(out)
+        if self.config.num_speculative_tokens and not self.config.async_scheduling:
+            self._propose_drafts(out)  # under async scheduling the runner drafts itself (see _plan)
 
     def drafts(self, request_id: str, index: int) -> list[int]:
         """The draft tokens proposed for a request's output tokens ``index, index + 1, ...``: what the model
@@ -433,6 +464,7 @@ class SchedulerHarness:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         self._scheduled = out
+        self._computing = self._plan(out)
         meta = out.kv_connector_metadata
         with set_forward_context(None, self.vllm_config):
             self.worker.handle_preemptions(meta)
@@ -460,19 +492,19 @@ class SchedulerHarness:
             seen = self.real_blocks.setdefault(request_id, [{} for _ in tables])
             for group, ids in enumerate(tables):
                 seen[group].update({i: b for i, b in enumerate(ids) if b != self.null_block_id})
-        sampled = []
+        sampled, rejected = [], {}
         for request_id in scheduled:
-            request = self.scheduler.requests[request_id]
-            drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
-            # A token is sampled only once the whole prompt (and every earlier output) has been computed.
-            done_prefill = request.num_computed_tokens - len(drafts) >= request.num_tokens
-            # The first one goes after every token this step computes but its drafts; each draft the model would
-            # have sampled too is accepted, and the model's own token follows the last accepted one.
-            index = request.num_computed_tokens - len(drafts) - request.num_prompt_tokens
-            tokens = [self.sampled(request_id, index + j) for j in range(len(drafts) + 1)]
-            accepted = next((j for j, draft in enumerate(drafts) if draft != tokens[j]), len(drafts))
-            self.drafts_rejected += len(drafts) - accepted
-            sampled.append(tokens[: accepted + 1] if done_prefill else [])
+            work = self._computing[request_id]
+            # Each draft the model would have sampled too is accepted, and the model's own token follows the last
+            # accepted one.
+            tokens = [self.sampled(request_id, work.output_index + j) for j in range(len(work.drafts) + 1)]
+            accepted = next((j for j, draft in enumerate(work.drafts) if draft != tokens[j]), len(work.drafts))
+            if work.drafts:
+                rejected[request_id] = len(work.drafts) - accepted
+                self.drafts_rejected += rejected[request_id]
+            sampled.append(tokens[: accepted + 1] if work.samples else [])
+        if self.config.async_scheduling and any(rejected.values()):
+            self._rejections_in_flight[id(out)] = rejected
         return ModelRunnerOutput(
             req_ids=scheduled,
             req_id_to_index={rid: i for i, rid in enumerate(scheduled)},
@@ -483,6 +515,34 @@ class SchedulerHarness:
             kv_connector_output=connector_output,
         )
 
+    def _plan(self, out) -> dict[str, _Computes]:
+        """Per request scheduled in ``out``, what the model runner computes, from the scheduler's view corrected for
+        the drafts of steps in flight that the runner knows were rejected (the scheduler does not yet)."""
+        restarted = [new.req_id for new in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.resumed_req_ids)
+        for request_id in restarted:  # its positions start afresh: earlier steps' rejections no longer apply
+            for rejections in self._rejections_in_flight.values():
+                rejections.pop(request_id, None)
+        plan = {}
+        for request_id, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            scheduled_drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
+            # The scheduler has already advanced num_computed_tokens past this step.
+            end = request.num_computed_tokens - sum(
+                rejections.get(request_id, 0) for rejections in self._rejections_in_flight.values()
+            )
+            output_index = end - len(scheduled_drafts) - request.num_prompt_tokens
+            if self.config.async_scheduling and scheduled_drafts:
+                assert set(scheduled_drafts) == {-1}, f"async scheduling schedules placeholders: {scheduled_drafts}"
+                drafts = tuple(self.drafts(request_id, output_index)[: len(scheduled_drafts)])
+            else:
+                drafts = tuple(scheduled_drafts)
+            # A token is sampled only once the whole prompt (and every earlier output) has been computed.
+            samples = end - len(drafts) >= request.num_tokens
+            if end != request.num_computed_tokens:
+                self.positions_corrected += 1
+            plan[request_id] = _Computes(end - count, end, drafts, output_index, samples)
+        return plan
+
     def _captured_rows(self) -> tuple[Any, Any]:
         """What the model runner's capture buffer and slot mapping would hold after this step's forward pass.
 
@@ -491,19 +551,15 @@ class SchedulerHarness:
         out = self._scheduled
         slots, rows = [], []
         for request_id in sorted(out.num_scheduled_tokens, reverse=True):
-            count = out.num_scheduled_tokens[request_id]
+            work = self._computing[request_id]
             request = self.scheduler.requests[request_id]
-            end = request.num_computed_tokens  # already advanced past this step by the scheduler
-            start = end - count
             blocks = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0], dtype=np.int64)
-            positions = np.arange(start, end)
+            positions = np.arange(work.start, work.end)
             slots.append(blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
             # Async scheduling runs a step before the tokens sampled in the step before it are appended (a GPU
             # feeds them forward itself). A speculative step computes its drafts, as the model sees them.
-            drafts = out.scheduled_spec_decode_tokens.get(request_id, [])
-            known = max(0, end - len(drafts) - request.num_prompt_tokens)
-            tokens = self.sequence(request_id, request.prompt_token_ids, known) + list(drafts)
-            rows.append(self.router.rows(tokens, start, end))
+            tokens = self.sequence(request_id, request.prompt_token_ids, max(0, work.output_index)) + list(work.drafts)
+            rows.append(self.router.rows(tokens, work.start, work.end))
         if not slots:
             return np.zeros(0, dtype=np.int64), np.zeros((0, *self.router.shape), dtype=np.int32)
         return np.concatenate(slots), np.concatenate(rows)
