@@ -12,7 +12,14 @@ of 128 experts, uint8: 96 KiB + a 72-byte header, built with ``encode_run``). Ea
    whole batch in one call, from and into registered buffers (the peer of 3);
 5. a single-thread memcpy (``numpy.copyto`` object by object into preallocated, already touched buffers): the limit;
 6. the same memcpy plus an XXH3-64 of every object (put: hash, then copy; get: copy, then hash the copy): the floor
-   of any tier that checksums what it stores and verifies every load, as both lmcache_r3 tiers do.
+   of any tier that checksums what it stores and verifies every load, as both lmcache_r3 tiers do;
+7. the file system calls of a file-per-object tier with atomic first-writer-wins publication, and nothing else, on
+   /dev/shm from one thread (put: rewrite a file of the object's size, link it to the object's name, unlink the
+   temporary name; get: ``stat`` each object, as a lookup must, then open, read, close): the floor of the shm tier's
+   design, without its checksums, accounting, tasks and threads;
+8. raw Mooncake plus what an L2 tier over it cannot leave out: an existence query of the batch before the get (LMCache
+   looks up and locks before it loads) and an XXH3-64 of every object (before the put, after the get): the floor of
+   the Mooncake tier's design.
 
 R3 is measured twice: a batch of ``--objects`` chunks, and the 128 chunks of one 32k-token request
 (``--r3-request-objects``), the batch the connector stores and fetches for such a request.
@@ -83,7 +90,20 @@ SHM_IO_THREADS, SHM_PARALLEL_MIN_BYTES = 2, 8 << 20
 """The shm tier's ``io_threads`` and ``parallel_min_bytes``, set here so the report can say which batches split."""
 R3_REPEATS = 5
 """R3 batches run this many times the repeats: a call of a few milliseconds over loopback varies 2x run to run."""
-PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged", "raw_mooncake", "memcpy", "verified_copy")
+PATHS = (
+    "shm",
+    "shm_fresh",
+    "fs",
+    "mooncake",
+    "mooncake_staged",
+    "raw_mooncake",
+    "memcpy",
+    "verified_copy",
+    "file_floor",
+    "mooncake_floor",
+)
+LOOKUP_PATHS = ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged", "file_floor", "mooncake_floor")
+"""The paths whose get starts with a lookup (its time is reported on its own)."""
 LABELS = {
     "shm": "lmcache_r3 shm tier (`ShmL2Adapter`, /dev/shm)",
     "shm_fresh": "lmcache_r3 shm tier, recycling off (`recycle_bytes: 0`: every put writes new pages)",
@@ -93,6 +113,9 @@ LABELS = {
     "raw_mooncake": "raw Mooncake `batch_put_from` / `batch_get_into`",
     "memcpy": "memcpy, one thread (`numpy.copyto` per object)",
     "verified_copy": "memcpy + XXH3-64 of each object, one thread (the floor of a checksummed tier)",
+    "file_floor": "file system calls alone, one thread (the floor of a file-per-object tier with atomic publication)",
+    "mooncake_floor": "raw Mooncake + an existence query before the get + XXH3-64 of each object (the floor of a "
+    "checksummed L2 tier over Mooncake)",
 }
 
 
@@ -340,6 +363,100 @@ class VerifiedCopyPath(MemcpyPath):
         return 0.0
 
 
+class FileFloorPath:
+    """Only the file system calls of a file-per-object tier that publishes atomically, first writer wins.
+
+    put, per object: open a file of the object's size (its pages already there, as the shm tier rewrites the file of
+    an object removed earlier), write the object, close, link it to the object's name (which fails when another
+    writer got there first), unlink the temporary name. get: ``stat`` every object (the lookup), then per object
+    open, read into the target, close. No header, checksum, accounting, task or thread: one Python thread on /dev/shm.
+    """
+
+    name = "file_floor"
+
+    def __init__(self, kind: Kind) -> None:
+        self.root = tempfile.mkdtemp(prefix=f"r3-bench-floor-{kind.name}-", dir="/dev/shm")
+        self.free = [os.path.join(self.root, f"free-{i}") for i in range(kind.count)]
+        for path, view in zip(self.free, kind.views(np.zeros_like(kind.source)), strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, memoryview(view))
+            finally:
+                os.close(fd)
+
+    def _path(self, key: ObjectKey) -> str:
+        return os.path.join(self.root, key.chunk_hash.hex())
+
+    def put(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> None:
+        for temp, key, view in zip(self.free, keys, kind.views(buffer), strict=True):
+            fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                _write_all(fd, memoryview(view))
+            finally:
+                os.close(fd)
+            os.link(temp, self._path(key))
+            os.unlink(temp)
+
+    def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
+        started = time.perf_counter()
+        paths = [self._path(key) for key in keys]
+        for path in paths:
+            os.stat(path)
+        lookup_s = time.perf_counter() - started
+        for path, view in zip(paths, kind.views(buffer), strict=True):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if os.readv(fd, [view]) != kind.nbytes:
+                    raise BenchFailure(f"file floor: {path} read short")
+            finally:
+                os.close(fd)
+        return lookup_s
+
+    def remove(self, keys: list[ObjectKey]) -> None:
+        for temp, key in zip(self.free, keys, strict=True):
+            os.rename(self._path(key), temp)  # back to the free files (untimed), as the shm tier recycles
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    written = 0
+    while written < view.nbytes:
+        written += os.write(fd, view[written:])
+
+
+class MooncakeFloorPath(RawMooncakePath):
+    """Raw Mooncake plus the existence query of the batch before its get and an XXH3-64 of every object (before the
+    put, after the get): what an L2 tier over Mooncake that verifies every load cannot leave out."""
+
+    name = "mooncake_floor"
+
+    def __init__(self, cluster: MooncakeCluster) -> None:
+        super().__init__(cluster)
+        self.digests: list[int] = []
+
+    @staticmethod
+    def _names(keys: list[ObjectKey]) -> list[str]:
+        return [f"bench-floor/{key.model_name}@{key.chunk_hash.hex()}" for key in keys]
+
+    def put(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> None:
+        self.digests = [xxhash.xxh3_64_intdigest(view) for view in kind.views(buffer)]
+        super().put(kind, keys, buffer)
+
+    def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
+        started = time.perf_counter()
+        found = self.store.batch_is_exist(self._names(keys))
+        lookup_s = time.perf_counter() - started
+        if any(code != 1 for code in found):
+            raise BenchFailure(f"Mooncake floor: batch_is_exist returned {found}")
+        super().get(kind, keys, buffer)
+        for view, digest in zip(kind.views(buffer), self.digests, strict=True):
+            if xxhash.xxh3_64_intdigest(view) != digest:
+                raise BenchFailure("Mooncake floor: an object read back does not match its digest")
+        return lookup_s
+
+
 # -- measuring ------------------------------------------------------------------------------------------------------
 @dataclass
 class Sample:
@@ -448,11 +565,12 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
                 if time.monotonic() > deadline:
                     raise BenchFailure(f"the Mooncake tier did not connect: {mooncake.report_status()}")
                 time.sleep(0.05)
-        raw = RawMooncakePath(cluster)
-        paths.append(raw)
-        raw.register(kind.source, target)
+        for raw in (RawMooncakePath(cluster), MooncakeFloorPath(cluster)):
+            paths.append(raw)
+            raw.register(kind.source, target)
         paths.append(MemcpyPath(kind))
         paths.append(VerifiedCopyPath(kind))
+        paths.append(FileFloorPath(kind))
 
         samples: dict[str, list[Sample]] = {path.name: [] for path in paths}
         for repeat in range(repeats + 1):  # repeat 0 warms every path up and is not counted
@@ -502,7 +620,12 @@ GOALS = (
 CONTEXT_RATIOS = (
     ("verified copy / memcpy (the most a checksummed tier can reach)", "verified_copy", "memcpy"),
     ("shm tier / verified copy", "shm", "verified_copy"),
-)
+    ("file system calls alone / memcpy (the most a file-per-object tier can reach)", "file_floor", "memcpy"),
+    ("shm tier / file system calls alone", "shm", "file_floor"),
+    ("Mooncake floor / raw Mooncake (the most a checksummed L2 tier over Mooncake can reach)", "mooncake_floor",
+     "raw_mooncake"),
+    ("Mooncake tier / Mooncake floor", "mooncake", "mooncake_floor"),
+)  # fmt: skip
 """Ratios reported beside the goals, for context."""
 
 
@@ -567,7 +690,7 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         cells = []
         for kind in kinds:
             f = results[kind.name][name]
-            lookup = ms(f.lookup_ms) if name in ("shm", "shm_fresh", "fs", "mooncake", "mooncake_staged") else "-"
+            lookup = ms(f.lookup_ms) if name in LOOKUP_PATHS else "-"
             cells += [f"{f.put_gbps:.2f} GB/s ({ms(f.put_ms)})", f"{f.get_gbps:.2f} GB/s ({ms(f.get_ms)})", lookup]
         out.append(f"| {LABELS[name]} | " + " | ".join(cells) + " |")
     out += [
@@ -599,28 +722,40 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         out.append(f"| {label} | {cells} | >= {goal}x | {status} |")
     r3 = next((kind for kind in kinds if kind.name == "R3"), None)
     if r3 is not None:
-        copy_ms, floor, shm = results["R3"]["memcpy"], results["R3"]["verified_copy"], results["R3"]["shm"]
+        copy_ms, verified, shm = results["R3"]["memcpy"], results["R3"]["verified_copy"], results["R3"]["shm"]
+        files = results["R3"]["file_floor"]
         budget = min(copy_ms.put_ms, copy_ms.get_ms) / 0.3
+        within = files.put_gbps >= 0.3 * copy_ms.put_gbps and files.get_gbps >= 0.3 * copy_ms.get_gbps
         out += [
             "",
             f"R3 against memcpy: a batch of {r3.count} R3 objects ({r3.total / 2**20:.1f} MiB) is copied in "
             f"{ms(copy_ms.put_ms)} / {ms(copy_ms.get_ms)} (put / get) from cache, so 0.3x memcpy leaves "
             f"{ms(budget)} for a whole tier operation; hashing each object once as well already takes "
-            f"{ms(floor.put_ms)} / {ms(floor.get_ms)}. The shm tier's lookup alone (one `stat` per object and the "
-            f"hand-off of one task to a worker thread and back through the event fd) takes {ms(shm.lookup_ms)}, "
-            "and a get is a lookup task plus a load task; a put creates or renames, writes and links one file per "
-            "object. For objects this small the tier's cost is per object and per task, not per byte.",
+            f"{ms(verified.put_ms)} / {ms(verified.get_ms)}. The file system calls of a file-per-object tier that "
+            f"publishes atomically, alone and from one thread, take {ms(files.put_ms)} / {ms(files.get_ms)} (the "
+            f"get's `stat` of each object {ms(files.lookup_ms)}): {files.put_gbps / copy_ms.put_gbps:.2f}x / "
+            f"{files.get_gbps / copy_ms.get_gbps:.2f}x memcpy, "
+            + ("within" if within else "short of")
+            + " the goal before any checksum, accounting, task or thread. The shm tier takes "
+            f"{ms(shm.put_ms)} / {ms(shm.get_ms)}; its lookup alone (one `stat` per object and the hand-off of one "
+            f"task to a worker thread and back through the event fd) takes {ms(shm.lookup_ms)}, and a get is a "
+            "lookup task plus a load task. For objects this small the tier's cost is per object and per task, not "
+            "per byte.",
         ]
-        raw, tier, staged = (results["R3"][name] for name in ("raw_mooncake", "mooncake", "mooncake_staged"))
+        raw, tier, staged, floor = (
+            results["R3"][name] for name in ("raw_mooncake", "mooncake", "mooncake_staged", "mooncake_floor")
+        )
         out += [
             "",
             f"R3 against raw Mooncake: raw moves the batch in {ms(raw.put_ms)} / {ms(raw.get_ms)} (put / get) in "
-            "one call each way. The tier adds fixed costs per batch: a checksum and a copy into staging, the "
-            "hand-off of each task to a worker thread and of each Mooncake call to the client's call thread (which "
-            "bounds how long anything waits), and, before a get, the lookup task's existence query to the master "
-            f"({ms(tier.lookup_ms)} here). The two tier rows run the same code for these objects (both stage "
-            f"them): {ms(tier.put_ms)} and {ms(staged.put_ms)} for the put, which shows how much the same call "
-            "varies between two clients in one process on this machine.",
+            "one call each way. With what a verified L2 tier cannot leave out, an existence query before the get "
+            f"({ms(floor.lookup_ms)}) and a checksum of every object, the same client takes {ms(floor.put_ms)} / "
+            f"{ms(floor.get_ms)}: {floor.put_gbps / raw.put_gbps:.2f}x / {floor.get_gbps / raw.get_gbps:.2f}x raw. "
+            "The tier adds to that a copy into staging, the hand-off of each task to a worker thread and of each "
+            "Mooncake call to the client's call thread (which bounds how long anything waits). The two tier rows "
+            f"run the same code for these objects (both stage them): {ms(tier.put_ms)} and {ms(staged.put_ms)} "
+            "for the put, which shows how much the same call varies between two clients in one process on this "
+            "machine.",
         ]
     r3_kinds = [kind for kind in kinds if kind.name.startswith("R3")]
     if r3_kinds:

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -54,11 +55,28 @@ def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it), never one handed out before here.
+
+    A port is not handed out twice by one process: a client of a server that has gone (ZMQ reconnects forever) would
+    otherwise talk to whatever server gets that port next, with requests meant for the old one.
+
+    Raises:
+        OSError: no such port after many tries (the ephemeral range is exhausted).
+    """
+    with _HANDED_OUT_LOCK:
+        for _ in range(1000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((LOOPBACK, 0))
+                port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError(f"no free TCP port on {LOOPBACK} that this process has not handed out before")
 
 
 def executable(name: str) -> str:

@@ -16,6 +16,8 @@ as the synchronous tests do.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -153,7 +155,11 @@ def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix
     prompts = {"a": shared + prompt(7, seed=22), "b": shared + prompt(19, seed=23), "c": prompt(50, seed=24)}
     outputs = {"a": 40, "b": 18, "c": 25}
     harness.add_request("a", prompts["a"], max_tokens=40)
-    harness.step()  # "a" computes the shared prefix first, so "b" hits it in vLLM's prefix cache
+    deadline = time.monotonic() + 30
+    while "a" not in harness.block_tables:  # its LMCache lookup answers first; then it computes the shared prefix
+        assert time.monotonic() < deadline, "the first request was never scheduled"
+        harness.step()
+        time.sleep(0.005)
     harness.add_request("b", prompts["b"], max_tokens=40, stop_after=17)
     harness.add_request("c", prompts["c"], max_tokens=25)
     harness.run_until_idle()

@@ -28,6 +28,13 @@ def test_free_port_can_be_bound_on_loopback():
         sock.bind(("127.0.0.1", port))
 
 
+def test_free_port_never_hands_out_a_port_twice():
+    """A client of a stopped server reconnects to its port for ever; the next server must not get that port (the OS
+    alone repeats one among 500 picks almost surely: about 28k ephemeral ports)."""
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+
+
 def test_process_that_exits_early_fails_readiness_with_its_log(tmp_path):
     proc = ManagedProcess(
         "failing", [sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"], tmp_path / "f.log"
