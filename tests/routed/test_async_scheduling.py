@@ -39,11 +39,22 @@ CONNECTOR = "lmcache_r3.mp.connector"
 CHUNK = 64
 
 
+@pytest.fixture(scope="module")
+def async_server(lmcache_server_factory):
+    """One R3 server for this module (the sync tests share another, so the same scenarios start cold here too).
+    Every test here leaves no lock behind, so a test that asserts zero locks at its end counts only its own."""
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    server = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def async_harness(own_r3_server, scheduler_harness_factory):  # the server outlives the harnesses
+def async_harness(async_server, scheduler_harness_factory):
     def build(**overrides):
         return scheduler_harness_factory(
-            server=own_r3_server, connector_module=CONNECTOR, routed_experts=True, async_scheduling=True, **overrides
+            server=async_server, connector_module=CONNECTOR, routed_experts=True, async_scheduling=True, **overrides
         )
 
     return build
@@ -62,20 +73,20 @@ def test_the_harness_runs_vllms_async_scheduler_with_two_steps_in_flight(async_h
     np.testing.assert_array_equal(returned_rows(harness, "r"), expected_rows(harness, "r", prompt(40, seed=1), 3))
 
 
-def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(async_harness, own_r3_server):
+def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(async_harness, async_server):
     harness = async_harness()
     cold_then_lmcache_hit_then_prefix_cache_hit(harness)
     assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
-    assert wait_locks(own_r3_server, 0) == 0
+    assert wait_locks(async_server, 0) == 0
 
 
-def test_chunked_prefill_of_concurrent_requests_sharing_prefixes_then_lmcache_hits(async_harness, own_r3_server):
+def test_chunked_prefill_of_concurrent_requests_sharing_prefixes_then_lmcache_hits(async_harness, async_server):
     chunked_prefill_of_concurrent_requests_then_lmcache_hits(async_harness(max_num_batched_tokens=48))
-    assert wait_locks(own_r3_server, 0) == 0
+    assert wait_locks(async_server, 0) == 0
 
 
 def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_their_new_rows(
-    async_harness, own_r3_server
+    async_harness, async_server
 ):
     """Requests that end on a stop token (a finish the scheduler cannot foresee, so the step after it is already
     running and writes a KV slot and a row for the request) in a small pool: their blocks are handed out again, to
@@ -105,14 +116,14 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
     lmcache = sum(harness.outputs[f"b{i}"]["lmcache_r3_sources"]["lmcache_tokens"] for i in range(3))
     assert lmcache >= 3 * CHUNK, "the repeated prompts were meant to load their first chunk from LMCache"
-    assert wait_locks(own_r3_server, 0) == 0
+    assert wait_locks(async_server, 0) == 0
 
 
-def test_preempted_requests_return_exact_rows(async_harness, own_r3_server):
+def test_preempted_requests_return_exact_rows(async_harness, async_server):
     harness = async_harness(num_blocks=14, max_num_batched_tokens=64)
     preempted_requests_return_exact_rows(harness)
     assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
-    assert wait_locks(own_r3_server, 0) == 0
+    assert wait_locks(async_server, 0) == 0
 
 
 def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its_chunks_serve_exactly(async_harness):
@@ -135,7 +146,7 @@ def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its
     assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
 
 
-def test_speculative_drafts_under_async_scheduling_return_and_publish_only_accepted_rows(async_harness, own_r3_server):
+def test_speculative_drafts_under_async_scheduling_return_and_publish_only_accepted_rows(async_harness, async_server):
     """The runner fills in the placeholder drafts (one in three wrong) and computes each step at positions corrected
     for the drafts it rejected in the step before; every returned row and every chunk served from LMCache later is
     the accepted sequence's."""
@@ -143,7 +154,7 @@ def test_speculative_drafts_under_async_scheduling_return_and_publish_only_accep
     speculative_drafts_return_and_publish_only_accepted_rows(harness)
     assert harness.positions_corrected > 0, "steps ran at positions the scheduler had not rolled back yet"
     assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
-    assert wait_locks(own_r3_server, 0) == 0
+    assert wait_locks(async_server, 0) == 0
 
 
 def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix_and_one_stop_token(async_harness):
