@@ -307,6 +307,51 @@ def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harn
     np.testing.assert_array_equal(returned_rows(harness, "after"), returned_rows(harness, "before"))
 
 
+def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
+    scheduler_harness_factory, lmcache_server_factory
+):
+    """The LMCache server dies and a new one comes up on the same port (a supervisor's restart) under a running
+    engine: while none answers, requests recompute with exact rows; once LMCache's heartbeat has registered the KV
+    caches with the new server, KV and R3 are stored there and served again, with exact rows."""
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    modules = (r3_server_module_spec("##r3"),)
+    first = lmcache_server_factory(chunk_size=CHUNK, server_modules=modules)
+    harness = scheduler_harness_factory(
+        server=first, connector_module=CONNECTOR, routed_experts=True, mq_timeout_s=2.0,
+        extra_config={"lmcache_r3.r3_timeout_s": 1.0, "lmcache.mp.heartbeat_interval": 0.5},
+    )  # fmt: skip
+    book = harness.scheduler.connector.routed
+    book.retry_after_s = 1.0  # how long R3 calls pause after one timed out (10 s by default)
+    tokens = prompt(3 * CHUNK + 5, seed=83)
+    harness.generate([("before", tokens)], max_tokens=3)
+    expected = returned_rows(harness, "before")
+    np.testing.assert_array_equal(expected, expected_rows(harness, "before", tokens, 3))
+    book.settle(10)
+    first.stop()
+    harness.reset_prefix_cache()
+    harness.add_request("down", tokens, max_tokens=3)
+    harness.run_until_idle(max_steps=100_000, timeout_s=60)  # steps that wait on the dead server schedule nothing
+    assert harness.outputs["down"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
+    np.testing.assert_array_equal(returned_rows(harness, "down"), expected)
+
+    lmcache_server_factory(chunk_size=CHUNK, server_modules=modules, port=first.settings.port)
+    adapters = (harness.worker.worker_adapter, harness.scheduler.connector.scheduler_adapter)
+    deadline = time.monotonic() + 30
+    while not all(adapter.is_healthy for adapter in adapters):  # the worker's heartbeat re-registers its caches
+        assert time.monotonic() < deadline, "LMCache's heartbeats never found the restarted server"
+        time.sleep(0.1)
+    harness.reset_prefix_cache()
+    harness.generate([("restarted", tokens)], max_tokens=3)  # the new server is empty: computed, then stored
+    assert harness.outputs["restarted"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
+    book.settle(10)
+    harness.reset_prefix_cache()
+    harness.generate([("hit", tokens)], max_tokens=3)
+    assert harness.outputs["hit"]["lmcache_r3_sources"]["lmcache_tokens"] == 3 * CHUNK
+    for request_id in ("restarted", "hit"):
+        np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
+
+
 def test_two_tp_ranks_worker_metadata_carries_rank_zeros_rows_once(r3_harness):
     """Every TP rank captures the same routing; only rank 0 sends it, and vLLM's aggregator keeps it."""
     from lmcache.integration.vllm.lmcache_mp_metadata import LMCacheMPWorkerMetadata
