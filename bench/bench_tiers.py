@@ -673,7 +673,12 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "read lease. memcpy "
         "copies each object into a preallocated, already touched buffer (put) and back (get); the verified copy "
         "adds an XXH3-64 of each object (before the put's copy, after the get's), the least a tier does that "
-        "checksums every object and verifies every load. Every get is compared byte for byte with what was put.",
+        "checksums every object and verifies every load. Every get is compared byte for byte with what was put. "
+        "The two floors: the file system calls alone of a file-per-object tier that publishes atomically, "
+        "from one thread on /dev/shm (put: rewrite a file of the object's size, link it to the object's name, "
+        "unlink the temporary name; get: `stat` every object, then open, read, close), and a second raw "
+        "Mooncake client that also queries the batch's existence before the get and hashes every object with "
+        "XXH3-64 (before the put, after the get).",
         "",
         "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
         "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "
