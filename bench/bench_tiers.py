@@ -76,6 +76,7 @@ from lmcache_r3.tiers import mooncake_store
 from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
 from lmcache_r3.tiers.mooncake_config import settings_from_params
 from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+from lmcache_r3.tiers.shm_store import write_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for the tests' Mooncake helpers
 from tests.support.mooncake import MOONCAKE_ENV, MooncakeCluster, start_mooncake  # noqa: E402
@@ -377,10 +378,10 @@ class FileFloorPath:
     def __init__(self, kind: Kind) -> None:
         self.root = tempfile.mkdtemp(prefix=f"r3-bench-floor-{kind.name}-", dir="/dev/shm")
         self.free = [os.path.join(self.root, f"free-{i}") for i in range(kind.count)]
-        for path, view in zip(self.free, kind.views(np.zeros_like(kind.source)), strict=True):
+        for path in self.free:  # sized, without pages: the untimed warm-up repeat's put gives them their pages
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, memoryview(view))
+                os.ftruncate(fd, kind.nbytes)
             finally:
                 os.close(fd)
 
@@ -391,7 +392,7 @@ class FileFloorPath:
         for temp, key, view in zip(self.free, keys, kind.views(buffer), strict=True):
             fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                _write_all(fd, memoryview(view))
+                write_all(fd, memoryview(view))
             finally:
                 os.close(fd)
             os.link(temp, self._path(key))
@@ -418,12 +419,6 @@ class FileFloorPath:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    written = 0
-    while written < view.nbytes:
-        written += os.write(fd, view[written:])
 
 
 class MooncakeFloorPath(RawMooncakePath):

@@ -81,34 +81,36 @@ def lmcache_server(lmcache_server_factory):
 
 
 @pytest.fixture(scope="session")
-def r3_server(lmcache_server_factory):
-    """A server with the R3 chunk type loaded (namespace ``##r3``), chunk size 64, no L2 tier."""
+def r3_server_factory(lmcache_server_factory):
+    """Start servers with the R3 chunk type loaded (namespace ``##r3``), chunk size 64: ``factory(**overrides)``
+    takes what ``lmcache_server_factory`` does (``l2_adapters=...``, ``port=...``)."""
     from lmcache_r3.mp.server_process import r3_server_module_spec
 
-    return lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),))
+    def factory(**overrides):
+        return lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),), **overrides)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def r3_server(r3_server_factory):
+    """A server with the R3 chunk type loaded (namespace ``##r3``), chunk size 64, no L2 tier."""
+    return r3_server_factory()
 
 
 @pytest.fixture
-def own_r3_server(lmcache_server_factory):
+def own_r3_server(r3_server_factory):
     """Like ``r3_server``, for one test: a test that asserts every lock is released counts only its own."""
-    from lmcache_r3.mp.server_process import r3_server_module_spec
-
-    server = lmcache_server_factory(chunk_size=64, server_modules=(r3_server_module_spec("##r3"),))
+    server = r3_server_factory()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def r3_server_with_fs_tier(lmcache_server_factory, tmp_path_factory):
+def r3_server_with_fs_tier(r3_server_factory, tmp_path_factory):
     """Like ``r3_server``, with a stock LMCache fs L2 tier below L1."""
-    from lmcache_r3.mp.server_process import r3_server_module_spec
-
     l2 = tmp_path_factory.mktemp("fs-l2")
-    return lmcache_server_factory(
-        chunk_size=64,
-        server_modules=(r3_server_module_spec("##r3"),),
-        l2_adapters=({"type": "fs", "base_path": str(l2)},),
-    )
+    return r3_server_factory(l2_adapters=({"type": "fs", "base_path": str(l2)},))
 
 
 # -- Mooncake -------------------------------------------------------------------------------------------------

@@ -301,8 +301,8 @@ class ShmObjectStore:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
         try:
             try:
-                _write_all(fd, memoryview(header))
-                _write_all(fd, payload)
+                write_all(fd, memoryview(header))
+                write_all(fd, payload)
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -721,7 +721,8 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte of ``data`` is written (a write may take fewer)."""
     written = 0
     while written < data.nbytes:
         written += os.write(fd, data[written:])

@@ -16,12 +16,12 @@ as the synchronous tests do.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from tests.routed.test_harness_routed import (
+    CHUNK,
+    CONNECTOR,
     SPECULATIVE,
     chunked_prefill_of_concurrent_requests_then_lmcache_hits,
     cold_then_lmcache_hit_then_prefix_cache_hit,
@@ -35,17 +35,12 @@ from tests.support.harness import wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
-CONNECTOR = "lmcache_r3.mp.connector"
-CHUNK = 64
-
 
 @pytest.fixture(scope="module")
-def async_server(lmcache_server_factory):
+def async_server(r3_server_factory):
     """One R3 server for this module (the sync tests share another, so the same scenarios start cold here too).
     Every test here leaves no lock behind, so a test that asserts zero locks at its end counts only its own."""
-    from lmcache_r3.mp.server_process import r3_server_module_spec
-
-    server = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+    server = r3_server_factory()
     yield server
     server.stop()
 
@@ -166,11 +161,7 @@ def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix
     prompts = {"a": shared + prompt(7, seed=22), "b": shared + prompt(19, seed=23), "c": prompt(50, seed=24)}
     outputs = {"a": 40, "b": 18, "c": 25}
     harness.add_request("a", prompts["a"], max_tokens=40)
-    deadline = time.monotonic() + 30
-    while "a" not in harness.block_tables:  # its LMCache lookup answers first; then it computes the shared prefix
-        assert time.monotonic() < deadline, "the first request was never scheduled"
-        harness.step()
-        time.sleep(0.005)
+    harness.step_until_scheduled("a")  # it computes the shared prefix before "b" arrives
     harness.add_request("b", prompts["b"], max_tokens=40, stop_after=17)
     harness.add_request("c", prompts["c"], max_tokens=25)
     harness.run_until_idle()

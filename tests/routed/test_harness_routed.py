@@ -200,11 +200,8 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
 
     connector.get_num_new_matched_tokens = counted
     harness.add_request("running", prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
+    harness.step_until_scheduled("running")
     deadline = time.monotonic() + 30
-    while "running" not in harness.scheduler.requests or not harness.block_tables.get("running"):
-        assert time.monotonic() < deadline, "the first request never ran"
-        harness.step()
-        time.sleep(0.01)
     fetches = connector.routed.counters.values["fetches"]
     harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
     harness.step()  # submits its lookup
@@ -289,34 +286,37 @@ def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(own_r3_serv
     assert wait_locks(r3_server, 0) == 0
 
 
-def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harness_factory, lmcache_server_factory):
-    from lmcache_r3.mp.server_process import r3_server_module_spec
+def requests_recompute_while_the_server_is_down(harness, server, tokens: list[int]) -> np.ndarray:
+    """Run ``tokens`` ("before"), stop ``server``, run them again ("down"): no LMCache hit, no hang (steps that wait
+    on the dead server schedule nothing), the same rows. Returns those rows."""
+    harness.generate([("before", tokens)], max_tokens=3)
+    harness.scheduler.connector.routed.settle(10)
+    harness.reset_prefix_cache()
+    server.stop()
+    harness.add_request("down", tokens, max_tokens=3)
+    harness.run_until_idle(max_steps=100_000, timeout_s=60)
+    assert harness.outputs["down"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
+    rows = returned_rows(harness, "before")
+    np.testing.assert_array_equal(returned_rows(harness, "down"), rows)
+    return rows
 
-    doomed = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+
+def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harness_factory, r3_server_factory):
+    doomed = r3_server_factory()
     harness = scheduler_harness_factory(
         server=doomed, connector_module=CONNECTOR, routed_experts=True, mq_timeout_s=2.0,
         extra_config={"lmcache_r3.r3_timeout_s": 1.0},
     )  # fmt: skip
-    tokens = prompt(3 * CHUNK + 5, seed=9)
-    harness.generate([("before", tokens)], max_tokens=3)
-    harness.reset_prefix_cache()
-    doomed.stop()
-    harness.add_request("after", tokens, max_tokens=3)
-    harness.run_until_idle(max_steps=100_000, timeout_s=60)  # steps that wait on the dead server schedule nothing
-    assert harness.outputs["after"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
-    np.testing.assert_array_equal(returned_rows(harness, "after"), returned_rows(harness, "before"))
+    requests_recompute_while_the_server_is_down(harness, doomed, prompt(3 * CHUNK + 5, seed=9))
 
 
 def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
-    scheduler_harness_factory, lmcache_server_factory
+    scheduler_harness_factory, r3_server_factory
 ):
     """The LMCache server dies and a new one comes up on the same port (a supervisor's restart) under a running
     engine: while none answers, requests recompute with exact rows; once LMCache's heartbeat has registered the KV
     caches with the new server, KV and R3 are stored there and served again, with exact rows."""
-    from lmcache_r3.mp.server_process import r3_server_module_spec
-
-    modules = (r3_server_module_spec("##r3"),)
-    first = lmcache_server_factory(chunk_size=CHUNK, server_modules=modules)
+    first = r3_server_factory()
     harness = scheduler_harness_factory(
         server=first, connector_module=CONNECTOR, routed_experts=True, mq_timeout_s=2.0,
         extra_config={"lmcache_r3.r3_timeout_s": 1.0, "lmcache.mp.heartbeat_interval": 0.5},
@@ -324,18 +324,10 @@ def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
     book = harness.scheduler.connector.routed
     book.retry_after_s = 1.0  # how long R3 calls pause after one timed out (10 s by default)
     tokens = prompt(3 * CHUNK + 5, seed=83)
-    harness.generate([("before", tokens)], max_tokens=3)
-    expected = returned_rows(harness, "before")
+    expected = requests_recompute_while_the_server_is_down(harness, first, tokens)
     np.testing.assert_array_equal(expected, expected_rows(harness, "before", tokens, 3))
-    book.settle(10)
-    first.stop()
-    harness.reset_prefix_cache()
-    harness.add_request("down", tokens, max_tokens=3)
-    harness.run_until_idle(max_steps=100_000, timeout_s=60)  # steps that wait on the dead server schedule nothing
-    assert harness.outputs["down"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
-    np.testing.assert_array_equal(returned_rows(harness, "down"), expected)
 
-    lmcache_server_factory(chunk_size=CHUNK, server_modules=modules, port=first.settings.port)
+    r3_server_factory(port=first.settings.port)
     adapters = (harness.worker.worker_adapter, harness.scheduler.connector.scheduler_adapter)
     deadline = time.monotonic() + 30
     while not all(adapter.is_healthy for adapter in adapters):  # the worker's heartbeat re-registers its caches

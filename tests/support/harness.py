@@ -309,7 +309,6 @@ class SchedulerHarness:
         self.outputs: dict[str, Any] = {}
         """Per finished request, its ``kv_transfer_params`` as the engine returned them."""
         self.router: EmulatedRouter | None = None
-        self._scheduled: Any = None
         self._computing: dict[str, _Computes] = {}
         """Per request of the step the worker runs, what it computes (:meth:`_plan`)."""
         self._rejections_in_flight: dict[int, dict[str, int]] = {}
@@ -463,7 +462,6 @@ class SchedulerHarness:
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        self._scheduled = out
         self._computing = self._plan(out)
         meta = out.kv_connector_metadata
         with set_forward_context(None, self.vllm_config):
@@ -548,10 +546,8 @@ class SchedulerHarness:
 
         Requests are laid out in reverse id order, so the connector cannot rely on the scheduler's order.
         """
-        out = self._scheduled
         slots, rows = [], []
-        for request_id in sorted(out.num_scheduled_tokens, reverse=True):
-            work = self._computing[request_id]
+        for request_id, work in sorted(self._computing.items(), reverse=True):
             request = self.scheduler.requests[request_id]
             blocks = np.asarray(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0], dtype=np.int64)
             positions = np.arange(work.start, work.end)
@@ -563,6 +559,15 @@ class SchedulerHarness:
         if not slots:
             return np.zeros(0, dtype=np.int64), np.zeros((0, *self.router.shape), dtype=np.int32)
         return np.concatenate(slots), np.concatenate(rows)
+
+    def step_until_scheduled(self, request_id: str, timeout_s: float = 30.0) -> None:
+        """Step until ``request_id`` was scheduled (its LMCache lookup answers first, asynchronously)."""
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.block_tables:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{request_id} was not scheduled within {timeout_s:.0f} s")
+            self.step()
+            time.sleep(0.005)
 
     def busy(self) -> bool:
         """Requests still waiting or running, or (async scheduling) steps whose output is not processed yet."""
