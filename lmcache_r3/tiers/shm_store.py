@@ -252,6 +252,7 @@ class ShmObjectStore:
         self._pool_by_size: dict[int, dict[str, None]] = {}
         self._pooled = 0
         self._temp_ids = itertools.count()
+        self._name_token = os.urandom(8).hex()
         self._stats = dict.fromkeys(
             (
                 "hits",
@@ -295,14 +296,15 @@ class ShmObjectStore:
         header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))))
         if recycled:
             fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
-            if os.fstat(fd).st_size != file_size:  # renamed in by another store with another size
+            # An evicted object's file has the size this store counted for it, unless another store replaced the
+            # object since with one of another size (and a free file could have been retired in such a race).
+            if os.fstat(fd).st_size != file_size:
                 os.ftruncate(fd, file_size)
         else:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
         try:
             try:
-                write_all(fd, memoryview(header))
-                write_all(fd, payload)
+                write_all(fd, memoryview(header), payload)
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -595,8 +597,9 @@ class ShmObjectStore:
         return self._pooled + size <= self.recycle_bytes and self._used + self._pooled + size <= self.capacity_bytes
 
     def _unique_name(self, prefix: str) -> str:
-        """``<prefix><pid>-<n>-<random>``: unique among every store on the root (temp files and free files)."""
-        return f"{prefix}{os.getpid()}-{next(self._temp_ids)}-{os.urandom(4).hex()}"
+        """``<prefix><pid>-<n>-<random>``: unique among every store on the root (temp files and free files); the
+        random part is the store's own, drawn once (the pid tells apart the stores of forked processes)."""
+        return f"{prefix}{os.getpid()}-{next(self._temp_ids)}-{self._name_token}"
 
     def _pool_file(self, name: str, size: int) -> None:
         """Count a free file (the caller holds the lock)."""
@@ -721,8 +724,20 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def write_all(fd: int, data: memoryview) -> None:
-    """``os.write`` until every byte of ``data`` is written (a write may take fewer)."""
-    written = 0
-    while written < data.nbytes:
-        written += os.write(fd, data[written:])
+def write_all(fd: int, *parts: memoryview) -> None:
+    """Write every byte of ``parts``, in order, with as few ``writev`` calls as the kernel allows (one, normally)."""
+    views = unwritten(list(parts), 0)
+    while views:
+        views = unwritten(views, os.writev(fd, views))
+
+
+def unwritten(views: list[memoryview], written: int) -> list[memoryview]:
+    """What is left of ``views`` after a write of ``written`` bytes took their start (empty views dropped)."""
+    left = []
+    for view in views:
+        if written >= view.nbytes:
+            written -= view.nbytes
+            continue
+        left.append(view[written:] if written else view)
+        written = 0
+    return left

@@ -26,6 +26,7 @@ from lmcache_r3.tiers.shm_store import (
     key_of_name,
     object_name,
     shard_of,
+    unwritten,
 )
 
 MiB = 1 << 20
@@ -262,6 +263,21 @@ def test_an_evicted_objects_file_is_rewritten_by_the_put_that_evicted_it(root):
     assert store.get(b"c") == value_of(b"c", 1000)
 
 
+def test_an_evicted_object_another_store_replaced_with_a_longer_one_is_rewritten_to_the_new_size(root):
+    # Store a counts "a" at 1000 bytes; store b replaces it with 1500 bytes. When a evicts "a" for a 1000-byte
+    # object it rewrites the longer file it finds there, which must end where the new object ends.
+    object_size = HEADER.size + 1000
+    first = ShmObjectStore(root, capacity_bytes=object_size)
+    first.put(b"a", value_of(b"a", 1000))
+    second = ShmObjectStore(root, capacity_bytes=1 << 20, recycle_bytes=0)
+    second.delete([b"a"])
+    second.put(b"a", value_of(b"a", 1500))
+    first.put(b"c", value_of(b"c", 1000))
+    assert first.stats()["evictions"] == 1 and first.stats()["recycled"] == 1
+    assert os.stat(object_path(root, b"c")).st_size == object_size
+    assert first.get(b"c") == value_of(b"c", 1000)
+
+
 def test_recycle_bytes_zero_unlinks_removed_objects(root):
     store = ShmObjectStore(root, capacity_bytes=MiB, recycle_bytes=0)
     store.put(b"a", value_of(b"a"))
@@ -480,3 +496,26 @@ def test_two_processes_sharing_a_root_never_read_a_torn_or_wrong_object(root):
         wrong, reads, hits, corrupt, evictions, recycled = map(int, out.split())
         assert wrong == 0 and corrupt == 0
         assert reads > 100 and hits > 0 and evictions > 0 and recycled > 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "written", "left"),
+    [
+        ([3, 4], 0, [3, 4]),
+        ([3, 4], 2, [1, 4]),
+        ([3, 4], 3, [4]),
+        ([3, 4], 5, [2]),
+        ([3, 4], 7, []),
+        ([0, 3, 0, 4], 0, [3, 4]),
+        ([0, 3, 0, 4], 3, [4]),
+    ],
+)
+def test_unwritten_keeps_what_a_partial_write_left_in_order(sizes, written, left):
+    data = bytes(range(sum(sizes)))
+    views, offset = [], 0
+    for size in sizes:
+        views.append(memoryview(data)[offset : offset + size])
+        offset += size
+    rest = unwritten(views, written)
+    assert [view.nbytes for view in rest] == left
+    assert b"".join(bytes(view) for view in rest) == data[written:]
