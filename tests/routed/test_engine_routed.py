@@ -125,11 +125,9 @@ def test_preempted_requests_return_exact_rows(tiny_moe, r3_server, hf_router, tm
 
 
 def test_lmcache_server_killed_mid_run_requests_recompute_with_exact_rows(
-    tiny_moe, lmcache_server_factory, hf_router, tmp_path
+    tiny_moe, r3_server_factory, hf_router, tmp_path
 ):
-    from lmcache_r3.mp.server_process import r3_server_module_spec
-
-    doomed = lmcache_server_factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),))
+    doomed = r3_server_factory()
     arrays, facts = run_scenario("server_killed", tiny_moe, doomed, tmp_path, "--mq-timeout", "5")
     assert facts["killed_pid"] == doomed.pid and not doomed.process.alive()
     assert facts["dead.sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 207}

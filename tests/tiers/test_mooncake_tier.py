@@ -19,7 +19,6 @@ import pytest
 from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
 from lmcache_r3.launch import LOOPBACK, ManagedProcess, ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import r3_server_module_spec
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
 from tests.support.l2_tasks import CallerBuffer, completed, object_key
 from tests.support.mooncake import MOONCAKE_ENV, start_mooncake
@@ -58,11 +57,7 @@ def start(factory, cluster, **params):
     with pytest.MonkeyPatch.context() as env:  # the server's Mooncake client stays on loopback
         for name, value in MOONCAKE_ENV.items():
             env.setenv(name, value)
-        return factory(
-            chunk_size=CHUNK,
-            server_modules=(r3_server_module_spec("##r3"),),
-            l2_adapters=(mooncake_tier(cluster, **params),),
-        )
+        return factory(l2_adapters=(mooncake_tier(cluster, **params),))
 
 
 def tier_status(server) -> dict:
@@ -104,9 +99,9 @@ def timed(call):
 
 
 @pytest.fixture(scope="module")
-def tier_server(lmcache_server_factory, mooncake_cluster):
+def tier_server(r3_server_factory, mooncake_cluster):
     """An R3 server whose L2 tier is the session's Mooncake, with a 256 KiB client local buffer."""
-    server = start(lmcache_server_factory, mooncake_cluster)
+    server = start(r3_server_factory, mooncake_cluster)
     wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
     yield server
     server.stop()
@@ -199,9 +194,9 @@ def test_kv_blocks_come_back_byte_equal_from_mooncake(tier_server, scheduler_har
 
 @pytest.mark.parametrize("direct_reads", [False, True], ids=["staged reads", "direct reads"])
 def test_kv_blocks_written_straight_from_the_servers_l1_come_back_byte_equal(
-    lmcache_server_factory, mooncake_cluster, scheduler_harness_factory, direct_reads
+    r3_server_factory, mooncake_cluster, scheduler_harness_factory, direct_reads
 ):
-    server = start(lmcache_server_factory, mooncake_cluster, zero_copy_min_bytes=0, direct_reads=direct_reads)
+    server = start(r3_server_factory, mooncake_cluster, zero_copy_min_bytes=0, direct_reads=direct_reads)
     harness = None
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
@@ -219,9 +214,9 @@ def test_kv_blocks_written_straight_from_the_servers_l1_come_back_byte_equal(
 
 
 # -- the master comes and goes --------------------------------------------------------------------------------------
-def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_up(lmcache_server_factory, own_cluster):
+def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_up(r3_server_factory, own_cluster):
     own_cluster.master.stop()
-    server, took = timed(lambda: start(lmcache_server_factory, own_cluster))
+    server, took = timed(lambda: start(r3_server_factory, own_cluster))
     try:
         assert took < 30, f"a missing master held the server's start-up for {took:.0f} s"
         status = tier_status(server)
@@ -244,10 +239,8 @@ def test_the_tier_starts_unhealthy_without_a_master_and_connects_when_it_comes_u
         server.stop()
 
 
-def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_restart(
-    lmcache_server_factory, own_cluster
-):
-    server = start(lmcache_server_factory, own_cluster, call_timeout_seconds=1.0)
+def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_restart(r3_server_factory, own_cluster):
+    server = start(r3_server_factory, own_cluster, call_timeout_seconds=1.0)
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
         with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
@@ -287,9 +280,9 @@ def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_rest
 
 
 def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
-    lmcache_server_factory, own_cluster
+    r3_server_factory, own_cluster
 ):
-    server = start(lmcache_server_factory, own_cluster, call_timeout_seconds=1.0)
+    server = start(r3_server_factory, own_cluster, call_timeout_seconds=1.0)
     try:
         wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
         tokens, rows = tokens_for(308, 3 * CHUNK), rows_for(308, 3 * CHUNK)

@@ -15,7 +15,6 @@ import pytest
 from lmcache_r3.artifacts import decode_run, read_header
 from lmcache_r3.launch import ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import r3_server_module_spec
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
 from tests.support.l2_tasks import CallerBuffer, completed, object_key
@@ -42,7 +41,7 @@ def shm_tier(root: str, **params) -> dict:
 
 
 def start(factory, root: str):
-    return factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),), l2_adapters=(shm_tier(root),))
+    return factory(l2_adapters=(shm_tier(root),))
 
 
 def tier_files(root: str) -> set[str]:
@@ -94,9 +93,9 @@ def fetch_rows(r3: R3Client, tokens) -> tuple[int, np.ndarray | None]:
     return fetched.num_hit_chunks, np.concatenate([c.rows for c in decoded.chunks])
 
 
-def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart(lmcache_server_factory, shm_root):
+def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart(r3_server_factory, shm_root):
     tokens, rows = tokens_for(201, 3 * CHUNK), rows_for(201, 3 * CHUNK)
-    server = start(lmcache_server_factory, shm_root)
+    server = start(r3_server_factory, shm_root)
     with R3Client(server.url, MODEL, PROFILE) as r3:
         assert store_rows(r3, tokens, rows).num_stored == 3
         wait_for_files(shm_root, 3)
@@ -110,7 +109,7 @@ def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart
         assert counter in status
     server.stop()
 
-    again = start(lmcache_server_factory, shm_root)  # a new server on the same root serves what is there
+    again = start(r3_server_factory, shm_root)  # a new server on the same root serves what is there
     try:
         status = tier_status(again)
         assert status["objects"] == 3 and status["bytes"] > 0
@@ -124,9 +123,9 @@ def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart
         again.stop()
 
 
-def test_a_damaged_object_in_the_tier_is_never_served_and_is_removed(lmcache_server_factory, shm_root):
+def test_a_damaged_object_in_the_tier_is_never_served_and_is_removed(r3_server_factory, shm_root):
     tokens, rows = tokens_for(202, 3 * CHUNK), rows_for(202, 3 * CHUNK)
-    server = start(lmcache_server_factory, shm_root)
+    server = start(r3_server_factory, shm_root)
     try:
         with R3Client(server.url, MODEL, PROFILE) as r3:
             store_rows(r3, tokens, rows)
@@ -185,12 +184,12 @@ def test_kv_blocks_come_back_byte_equal_from_the_tier(lmcache_server_factory, sc
         server.stop()
 
 
-def test_a_symlinked_root_is_refused_at_start_up_with_the_reason(lmcache_server_factory, shm_root):
+def test_a_symlinked_root_is_refused_at_start_up_with_the_reason(r3_server_factory, shm_root):
     link = shm_root + "-link"
     os.symlink(shm_root, link)
     try:
         with pytest.raises(ServiceStartError) as failure:
-            start(lmcache_server_factory, link)
+            start(r3_server_factory, link)
         assert "is a symlink" in str(failure.value), str(failure.value)[-2000:]
     finally:
         os.unlink(link)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import r3_server_module_spec
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
 from tests.support.mooncake import MOONCAKE_ENV
 from tests.tiers import test_mooncake_tier as mooncake
@@ -22,11 +21,11 @@ pytestmark = pytest.mark.server
 
 
 def start_shm(factory, root: str):
-    return factory(chunk_size=CHUNK, server_modules=(r3_server_module_spec("##r3"),), l2_adapters=(shm_tier(root),))
+    return factory(l2_adapters=(shm_tier(root),))
 
 
-def test_two_servers_on_one_root_serve_each_others_objects_and_never_a_torn_one(lmcache_server_factory, shm_root):
-    first, second = start_shm(lmcache_server_factory, shm_root), start_shm(lmcache_server_factory, shm_root)
+def test_two_servers_on_one_root_serve_each_others_objects_and_never_a_torn_one(r3_server_factory, shm_root):
+    first, second = start_shm(r3_server_factory, shm_root), start_shm(r3_server_factory, shm_root)
     prompts = {seed: (tokens_for(seed, 3 * CHUNK), rows_for(seed, 3 * CHUNK)) for seed in range(400, 408)}
     failures: list[str] = []
 
@@ -62,16 +61,12 @@ def test_two_servers_on_one_root_serve_each_others_objects_and_never_a_torn_one(
 
 @pytest.mark.mooncake
 def test_shm_stacked_above_mooncake_serves_from_mooncake_when_the_root_is_emptied(
-    lmcache_server_factory, mooncake_cluster, shm_root
+    r3_server_factory, mooncake_cluster, shm_root
 ):
     with pytest.MonkeyPatch.context() as env:
         for name, value in MOONCAKE_ENV.items():
             env.setenv(name, value)
-        server = lmcache_server_factory(
-            chunk_size=CHUNK,
-            server_modules=(r3_server_module_spec("##r3"),),
-            l2_adapters=(shm_tier(shm_root), mooncake.mooncake_tier(mooncake_cluster)),
-        )
+        server = r3_server_factory(l2_adapters=(shm_tier(shm_root), mooncake.mooncake_tier(mooncake_cluster)))
     try:
         mooncake.wait_for(lambda: mooncake.tier_status(server)["state"] == "up", 10, "connected to the master")
         tokens, rows = tokens_for(420, 3 * CHUNK), rows_for(420, 3 * CHUNK)
