@@ -109,6 +109,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._computed_at_lookup: dict[str, int] = {}
         self._locks_held_to: dict[str, int] = {}
         """Per request whose lookup hit more KV than R3: the locks past this token were already released."""
+        self._awaiting_r3: dict[str, tuple[int, tuple[int, bool]]] = {}
+        """Per request whose KV lookup answered before its R3 fetch: the local hit it was for, and the answer."""
         self._store_stopped: set[str] = set()
         self._recompute_only: set[str] = set()
         self._orphaned_lookups: dict[str, tuple[Any, float]] = {}
@@ -174,23 +176,37 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if self.routed is not None:
             self.routed.begin_lookup(request, num_computed_tokens)
         self.r3_seconds += time.perf_counter() - started
-        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if result[0] is None:
-            return result
+        kept = self._awaiting_r3.pop(request.request_id, None)
+        if kept is not None and kept[0] == num_computed_tokens:
+            result = kept[1]  # LMCache's KV answer, kept while the R3 fetch was still out
+        else:
+            result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            if result[0] is None:
+                return result
         self._computed_at_lookup[request.request_id] = num_computed_tokens
         if self.routed is not None:
             started = time.perf_counter()
-            result = self._joint_hit(request, num_computed_tokens, result)
+            joint = self._joint_hit(request, num_computed_tokens, result)
             self.r3_seconds += time.perf_counter() - started
+            if joint is None:
+                self._awaiting_r3[request.request_id] = (num_computed_tokens, result)
+                return None, True
+            result = joint
         return result
 
-    def _joint_hit(self, request: Any, num_computed_tokens: int, result: tuple[int, bool]) -> tuple[int, bool]:
-        """Cut LMCache's KV hit at the first chunk without valid R3: every hit is a joint KV+R3 hit."""
+    def _joint_hit(self, request: Any, num_computed_tokens: int, result: tuple[int, bool]) -> tuple[int, bool] | None:
+        """Cut LMCache's KV hit at the first chunk without valid R3: every hit is a joint KV+R3 hit.
+
+        None while the R3 fetch is still out (within its bound): vLLM asks again at its next step, and schedules the
+        other requests meanwhile instead of waiting here for an R3 read from a slow tier.
+        """
         tracker = self._get_request_tracker(request.request_id)
         kv_hit = tracker.num_lmcache_hit_tokens if result[0] else 0
         if kv_hit <= num_computed_tokens:
             self.routed.end_lookup(request)
             return result
+        if self.routed.fetch_pending(request):
+            return None
         joint = self.routed.joint_hit_end(request, kv_hit)
         # vLLM asks again when it could not allocate the request: LMCache reports the same locked hit, whose tail
         # past an earlier cut is already released (releasing it twice would strip other requests' locks).
@@ -484,6 +500,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def _forget(self, request_id: str) -> None:
         self._admissions.pop(request_id, None)
+        self._awaiting_r3.pop(request_id, None)
         self._computed_at_lookup.pop(request_id, None)
         self._locks_held_to.pop(request_id, None)
         self._store_stopped.discard(request_id)

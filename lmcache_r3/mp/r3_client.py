@@ -44,6 +44,10 @@ class R3Call(Generic[T]):
     def done(self) -> bool:
         return self._future.query()
 
+    def pending(self) -> bool:
+        """Not answered yet, and its deadline not passed (then :meth:`result` would wait)."""
+        return not self._future.query() and time.monotonic() < self._deadline
+
     def result(self, timeout: float | None = None) -> T:
         """Wait for the answer, at most until the call's deadline (and at most ``timeout`` if given).
 

@@ -141,12 +141,17 @@ class RoutedExpertsBook:
         self._quiet_until = 0.0
 
     def probe_server(self, timeout_s: float) -> bool:
-        """Ask the server for its R3 module once (at start); log how to fix a server without it."""
+        """Ask the server for its R3 module once (at start); log how to fix a server without it.
+
+        A server that does not answer is not sent R3 calls for ``retry_after_s``, as after a call that timed out:
+        the first lookups recompute at once instead of each waiting out the bound.
+        """
         if self.client is None:
             return False
         try:
             info = self.client.info().result(timeout=timeout_s)
         except Exception as error:
+            self._quiet_until = time.monotonic() + self.retry_after_s
             logger.error(
                 "lmcache_r3: the LMCache server at %s does not answer R3 calls (%s). Without the R3 chunk type every "
                 "LMCache hit is recomputed: run the server with `lmcache-r3 server` (r3.enabled: true in "
@@ -198,6 +203,17 @@ class RoutedExpertsBook:
             call = self.client.fetch_many([fetch.spec for fetch in live])
             for index, fetch in enumerate(live):
                 fetch.call, fetch.index, fetch.spec = call, index, None
+
+    def fetch_pending(self, request: Any) -> bool:
+        """Whether the R3 fetch of this request's lookup is still out and within its bound (sent now if it was still
+        queued): :meth:`joint_hit_end` would wait for it."""
+        state = self._requests.get(request.request_id)
+        fetch = state.fetch if state is not None else None
+        if fetch is None or fetch.end is not None:
+            return False
+        if fetch.spec is not None:
+            self.send_fetches()  # the KV lookup answered before this step's fetches went out
+        return fetch.call is not None and fetch.call.pending()
 
     def joint_hit_end(self, request: Any, kv_hit_tokens: int) -> int:
         """Where the joint KV+R3 hit ends: ``kv_hit_tokens`` cut at the first chunk without valid R3.

@@ -7,12 +7,14 @@ a real capture buffer. Every test compares the returned rows with the router's r
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from lmcache_r3 import routed_experts
+from lmcache_r3.mp.r3_client import R3TimeoutError
 from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
 from tests.support.harness import BLOCK_SIZE, locks_stay, lookup, wait_locks
 
@@ -213,6 +215,61 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
     assert asks["waiting"] >= 3, f"the hit was meant to wait for blocks (answered asks: {asks['waiting']})"
     assert connector.routed.counters.values["fetches"] == fetches + 1
     assert harness.outputs["waiting"]["lmcache_r3_sources"]["lmcache_tokens"] == 4 * CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "waiting"), expected_rows(harness, "waiting", hit, 4))
+
+
+class HeldCall:
+    """A real R3 call whose answer the scheduler only sees once ``release`` is set: fault injection standing in for
+    an R3 read from a slow L2 tier below the server (the KV of the same lookup answers first)."""
+
+    def __init__(self, call, release: threading.Event) -> None:
+        self.call, self.release = call, release
+
+    def done(self) -> bool:
+        return self.release.is_set() and self.call.done()
+
+    def pending(self) -> bool:
+        return not self.release.is_set() or self.call.pending()
+
+    def result(self, timeout: float | None = None):
+        if not self.release.wait(timeout):
+            raise R3TimeoutError("held back by the test")
+        return self.call.result(timeout)
+
+
+def test_while_a_lookups_r3_is_out_running_requests_keep_stepping_and_the_joint_hit_is_kept(r3_harness):
+    """LMCache's KV lookup answered but the R3 fetch of the same lookup has not: the request is not admitted yet
+    (vLLM asks again each step) and the scheduler does not wait for the R3 read, so a running request steps on;
+    once the R3 answer comes, the whole joint hit is loaded and the rows are exact."""
+    harness = r3_harness()
+    hit = prompt(3 * CHUNK + 20, seed=71)
+    harness.generate([("warm", hit)], max_tokens=2)
+    book = harness.scheduler.connector.routed
+    book.settle(10)
+    harness.reset_prefix_cache()
+    harness.add_request("running", prompt(100, seed=72), max_tokens=200)
+    harness.step_until_scheduled("running")
+    release = threading.Event()
+    fetch_many = book.client.fetch_many
+    book.client.fetch_many = lambda items: HeldCall(fetch_many(items), release)
+    harness.add_request("waiting", hit, max_tokens=4)
+    harness.step()  # submits its lookup
+    adapter = harness.scheduler.connector.scheduler_adapter
+    deadline = time.monotonic() + 30
+    while adapter.check_lookup_result("waiting") is None:
+        assert time.monotonic() < deadline, "the KV lookup did not answer"
+        harness.step()
+        time.sleep(0.01)
+    assert adapter.check_lookup_result("waiting") == 3 * CHUNK
+    ran = harness.times_scheduled["running"]
+    for _ in range(5):
+        harness.step()
+    assert harness.times_scheduled["running"] == ran + 5, "a step waited for the R3 read instead of running"
+    assert "waiting" not in harness.times_scheduled, "admitted before its R3 answer came"
+    release.set()
+    harness.run_until_idle()
+    assert harness.outputs["waiting"]["lmcache_r3_sources"]["lmcache_tokens"] == 3 * CHUNK
+    assert book.counters.values["fetch_failures"] == 0
     np.testing.assert_array_equal(returned_rows(harness, "waiting"), expected_rows(harness, "waiting", hit, 4))
 
 

@@ -162,3 +162,48 @@ def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer
     book.begin_lookup(requests["c"], 0)
     assert book.joint_hit_end(requests["c"], 2 * CHUNK) == CHUNK  # answered before the step's fetches went out
     assert r3_server.status()["lmcache_r3"]["fetch_calls"] == calls_before + 2
+
+
+@pytest.mark.parametrize("resumed", [True, False], ids=["server-resumes", "bound-passes"])
+def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_passes(r3_server, resumed):
+    # The server is stopped (SIGSTOP) with the fetch in flight: the scheduler is told the R3 answer is still out,
+    # instead of waiting for it, until the server answers (the joint hit is then the R3 hit) or the bound passes
+    # (then it is an R3 miss: the KV hit is dropped and the request recomputes, never waits longer).
+    import os
+    import signal
+    import time
+
+    from lmcache_r3.artifacts import encode_run
+
+    client = R3Client(r3_server.url, f"stall-model-{resumed}", PROFILE, timeout_s=1.0)
+    book = RoutedExpertsBook(PROFILE, CHUNK, BLOCK, num_blocks=64, client=client, fetch_timeout_s=1.0)
+    try:
+        request = Request("stalled", list(range(7000, 7000 + 2 * CHUNK + 3)))
+        client.store(request.all_token_ids, 0, encode_run(PROFILE, 0, rows(0, 2 * CHUNK), CHUNK), 2 * CHUNK).result()
+        book.begin_lookup(request, 0)
+        os.kill(r3_server.pid, signal.SIGSTOP)
+        try:
+            book.send_fetches()
+            started = time.monotonic()
+            assert book.fetch_pending(request)
+            time.sleep(0.3)
+            assert book.fetch_pending(request)  # still out, well within the bound
+            if not resumed:
+                while book.fetch_pending(request):
+                    time.sleep(0.05)
+                assert time.monotonic() - started < 1.5
+        finally:
+            os.kill(r3_server.pid, signal.SIGCONT)
+        if resumed:
+            deadline = time.monotonic() + 5
+            while book.fetch_pending(request) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not book.fetch_pending(request)
+            assert book.joint_hit_end(request, 2 * CHUNK) == 2 * CHUNK
+            assert book.counters.snapshot()["fetch_failures"] == 0
+        else:
+            assert book.joint_hit_end(request, 2 * CHUNK) == 0  # no wait: the bound has passed
+            assert book.counters.snapshot()["fetch_failures"] == 1
+        assert not book.fetch_pending(request)  # answered once; vLLM's next ask reuses it
+    finally:
+        client.close()
