@@ -136,9 +136,9 @@ def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its
     harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     whole = harness.sequence("r", tokens, 4)
-    harness.generate([("again", whole)], max_tokens=2)
-    np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 2))
-    assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
+    harness.generate([("after-stop", whole)], max_tokens=2)
+    np.testing.assert_array_equal(returned_rows(harness, "after-stop"), expected_rows(harness, "after-stop", whole, 2))
+    assert harness.outputs["after-stop"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
 
 
 def test_speculative_drafts_under_async_scheduling_return_and_publish_only_accepted_rows(async_harness, async_server):
@@ -173,6 +173,6 @@ def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix
     harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     whole = harness.sequence("a", prompts["a"], outputs["a"])
-    harness.generate([("again", whole)], max_tokens=2)
-    assert harness.outputs["again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
-    np.testing.assert_array_equal(returned_rows(harness, "again"), expected_rows(harness, "again", whole, 2))
+    harness.generate([("a-again", whole)], max_tokens=2)
+    assert harness.outputs["a-again"]["lmcache_r3_sources"]["lmcache_tokens"] >= CHUNK
+    np.testing.assert_array_equal(returned_rows(harness, "a-again"), expected_rows(harness, "a-again", whole, 2))
