@@ -16,7 +16,7 @@ import pytest
 from lmcache_r3 import routed_experts
 from lmcache_r3.mp.r3_client import R3TimeoutError
 from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
-from tests.support.harness import BLOCK_SIZE, locks_stay, lookup, wait_locks
+from tests.support.harness import BLOCK_SIZE, kv_lookup_answer, locks_stay, lookup, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -203,14 +203,10 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
     connector.get_num_new_matched_tokens = counted
     harness.add_request("running", prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
     harness.step_until_scheduled("running")
-    deadline = time.monotonic() + 30
     fetches = connector.routed.counters.values["fetches"]
     harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
     harness.step()  # submits its lookup
-    adapter = connector.scheduler_adapter
-    while adapter.check_lookup_result("waiting") is None:  # answered while the first still runs
-        assert time.monotonic() < deadline, "the lookup did not answer"
-        time.sleep(0.01)
+    kv_lookup_answer(connector.scheduler_adapter, "waiting")  # answered while the first still runs
     harness.run_until_idle()
     assert asks["waiting"] >= 3, f"the hit was meant to wait for blocks (answered asks: {asks['waiting']})"
     assert connector.routed.counters.values["fetches"] == fetches + 1
@@ -224,9 +220,6 @@ class HeldCall:
 
     def __init__(self, call, release: threading.Event) -> None:
         self.call, self.release = call, release
-
-    def done(self) -> bool:
-        return self.release.is_set() and self.call.done()
 
     def pending(self) -> bool:
         return not self.release.is_set() or self.call.pending()
@@ -253,14 +246,8 @@ def test_while_a_lookups_r3_is_out_running_requests_keep_stepping_and_the_joint_
     fetch_many = book.client.fetch_many
     book.client.fetch_many = lambda items: HeldCall(fetch_many(items), release)
     harness.add_request("waiting", hit, max_tokens=4)
-    harness.step()  # submits its lookup
-    adapter = harness.scheduler.connector.scheduler_adapter
-    deadline = time.monotonic() + 30
-    while adapter.check_lookup_result("waiting") is None:
-        assert time.monotonic() < deadline, "the KV lookup did not answer"
-        harness.step()
-        time.sleep(0.01)
-    assert adapter.check_lookup_result("waiting") == 3 * CHUNK
+    harness.step()  # submits its lookup (and sends its R3 fetch, held)
+    assert kv_lookup_answer(harness.scheduler.connector.scheduler_adapter, "waiting") == 3 * CHUNK
     ran = harness.times_scheduled["running"]
     for _ in range(5):
         harness.step()
@@ -497,10 +484,7 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     # ``read_locked_count`` counts locked objects, not locks: the holder keeps all 4 locked throughout, so the
     # count drops only when a lock of the holder's is taken away, or stays up when a lock of ours is left behind.
     adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
-    deadline = time.monotonic() + 20
-    while adapter.check_lookup_result("holder") is None:
-        assert time.monotonic() < deadline, "the holder's lookup did not answer"
-        time.sleep(0.01)
+    kv_lookup_answer(adapter, "holder")
     assert wait_locks(server, 4) == 4
 
     request = harness.make_request("waiting", tokens)

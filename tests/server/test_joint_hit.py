@@ -7,7 +7,7 @@ import pytest
 
 from lmcache_r3.artifacts import R3Profile, encode_run
 from lmcache_r3.mp.r3_client import R3Client, joint_hit_tokens
-from tests.support.harness import wait_locks
+from tests.support.harness import kv_lookup_answer, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -34,10 +34,7 @@ def kv_hit_tokens(harness, request_id: str, tokens: list[int]) -> int:
     """The stock KV lookup of the scheduler-side connector (locks released right after)."""
     adapter = harness.scheduler.connector.scheduler_adapter
     adapter.maybe_submit_lookup_request(request_id, tokens)
-    deadline = time.monotonic() + 20
-    while (hit := adapter.check_lookup_result(request_id)) is None:
-        assert time.monotonic() < deadline, "KV lookup did not answer"
-        time.sleep(0.005)
+    hit = kv_lookup_answer(adapter, request_id)
     adapter.free_lookup_locks(tokens, 0, hit, request_id)
     adapter.cleanup_lookup_result(request_id)
     adapter.end_session(request_id)

@@ -622,6 +622,15 @@ def lookup(connector, request, timeout_s: float = 20.0) -> tuple[int, bool]:
         time.sleep(0.01)
 
 
+def kv_lookup_answer(adapter, request_id: str, timeout_s: float = 20.0) -> int:
+    """The tokens LMCache's KV lookup of ``request_id`` hit, once it answered (polled as vLLM's steps poll it)."""
+    deadline = time.monotonic() + timeout_s
+    while (hit := adapter.check_lookup_result(request_id)) is None:
+        assert time.monotonic() < deadline, f"the KV lookup of {request_id} did not answer"
+        time.sleep(0.005)
+    return hit
+
+
 def wait_locks(server, expected: int, timeout_s: float = 10.0) -> int:
     """The server's read-locked object count once it is ``expected`` (or whatever it is after ``timeout_s``).
 
