@@ -245,7 +245,7 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
         config = HarnessConfig(connector_module="lmcache_r3.mp.connector", routed_experts=True,
                                num_blocks=concurrent * 8 + 8, max_num_seqs=concurrent,
                                max_num_batched_tokens=8192)  # fmt: skip
-        harness = SchedulerHarness(build_tiny_moe(SMALL, None), server.settings.host, server.settings.port, config)
+        harness = SchedulerHarness(build_tiny_moe(SMALL, None), server, config)
         try:
             book = harness.scheduler.connector.routed
             spent = [0.0]

@@ -186,9 +186,7 @@ def scheduler_harness_factory(tiny_moe, lmcache_server):
 
     def factory(server=None, model_dir=None, **overrides):
         server = server or lmcache_server
-        harness = SchedulerHarness(
-            model_dir or tiny_moe, server.settings.host, server.settings.port, HarnessConfig(**overrides)
-        )
+        harness = SchedulerHarness(model_dir or tiny_moe, server, HarnessConfig(**overrides))
         built.append(harness)
         return harness
 

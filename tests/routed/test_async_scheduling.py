@@ -95,7 +95,6 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
     for request_id, tokens in first.items():
         harness.add_request(request_id, tokens, max_tokens=30, stop_after=stops[request_id])
     harness.run_until_idle()
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     # The same prompts again (LMCache hits into reused blocks), interleaved with new ones computing into them.
     second = {f"b{i}": tokens for i, tokens in enumerate(first.values())}
@@ -133,7 +132,6 @@ def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its
     assert harness.times_scheduled["r"] == 1 + 4, "the prefill, 3 decode steps and the step after the stop token"
     assert rows.shape[0] == 2 * CHUNK - 1
     np.testing.assert_array_equal(rows, expected_rows(harness, "r", tokens, 4))
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     whole = harness.sequence("r", tokens, 4)
     harness.generate([("after-stop", whole)], max_tokens=2)
@@ -170,7 +168,6 @@ def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix
     for request_id, tokens in prompts.items():
         rows = returned_rows(harness, request_id)
         np.testing.assert_array_equal(rows, expected_rows(harness, request_id, tokens, outputs[request_id]))
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     whole = harness.sequence("a", prompts["a"], outputs["a"])
     harness.generate([("a-again", whole)], max_tokens=2)

@@ -60,8 +60,6 @@ def cold_then_lmcache_hit_then_prefix_cache_hit(harness) -> None:
     np.testing.assert_array_equal(cold, expected_rows(harness, "cold", tokens, 4))
     assert cold.shape == (len(tokens) + 3, 2, 2)
     assert book.counters.values["chunks_published"] == 4
-    book.settle(10)
-
     harness.reset_prefix_cache()
     harness.generate([("warm", tokens)], max_tokens=4)
     np.testing.assert_array_equal(returned_rows(harness, "warm"), cold)
@@ -80,7 +78,6 @@ def test_prefixes_shared_by_different_suffixes_at_unaligned_lengths(r3_harness):
     harness = r3_harness()
     base = prompt(3 * CHUNK + 5, seed=2)
     harness.generate([("base", base)], max_tokens=3)
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     cases = {f"s{cut}": base[:cut] + prompt(40, seed=cut) for cut in (BLOCK_SIZE + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)}
     harness.generate(cases.items(), max_tokens=3)
@@ -111,7 +108,6 @@ def chunked_prefill_of_concurrent_requests_then_lmcache_hits(harness) -> None:
     base = prompt(2 * CHUNK + 40, seed=4)
     requests = {f"c{i}": base[: 50 + 40 * i] + prompt(30, seed=40 + i) for i in range(4)}
     harness.generate(requests.items(), max_tokens=5)
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     again = {f"again{i}": tokens for i, tokens in enumerate(requests.values())}
     harness.generate(again.items(), max_tokens=5)
@@ -172,8 +168,6 @@ def speculative_drafts_return_and_publish_only_accepted_rows(harness) -> None:
     rows = returned_rows(harness, "spec")
     np.testing.assert_array_equal(rows, expected_rows(harness, "spec", tokens, 70))
     assert book.counters.values["chunks_published"] == 2
-    book.settle(10)
-
     harness.reset_prefix_cache()
     whole = harness.sequence("spec", tokens, 70)
     harness.generate([("again", whole)], max_tokens=3)
@@ -188,7 +182,6 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
     harness = r3_harness(num_blocks=14)  # 13 usable blocks of 32 tokens
     hit = prompt(4 * CHUNK + 44, seed=61)
     harness.generate([("warm", hit)], max_tokens=2)
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     connector = harness.scheduler.connector
     asks: dict[str, int] = {}
@@ -238,7 +231,6 @@ def test_while_a_lookups_r3_is_out_running_requests_keep_stepping_and_the_joint_
     hit = prompt(3 * CHUNK + 20, seed=71)
     harness.generate([("warm", hit)], max_tokens=2)
     book = harness.scheduler.connector.routed
-    book.settle(10)
     harness.reset_prefix_cache()
     harness.add_request("running", prompt(100, seed=72), max_tokens=200)
     harness.step_until_scheduled("running")
@@ -299,7 +291,7 @@ def test_a_request_aborted_mid_prefill_publishes_only_complete_chunks(r3_harness
         harness.step()
     harness.scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
     harness.run_until_idle()
-    connector.routed.settle(10)
+    harness.settle_stores()
     assert "aborted" not in harness.outputs or ROUTED_EXPERTS_KEY not in (harness.outputs["aborted"] or {})
     with R3Client(r3_server.url, connector.scheduler_adapter.model_name, connector.r3_profile) as client:
         fetched = client.fetch(tokens).result()
@@ -318,7 +310,7 @@ def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(own_r3_serv
     connector = harness.scheduler.connector
     tokens = prompt(4 * CHUNK + 9, seed=8)
     harness.generate([("first", tokens)], max_tokens=3)
-    connector.routed.settle(10)
+    harness.settle_stores()
     with R3Client(r3_server.url, connector.scheduler_adapter.model_name, connector.r3_profile) as client:
         assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
     harness.reset_prefix_cache()
@@ -334,7 +326,6 @@ def requests_recompute_while_the_server_is_down(harness, server, tokens: list[in
     """Run ``tokens`` ("before"), stop ``server``, run them again ("down"): no LMCache hit, no hang (steps that wait
     on the dead server schedule nothing), the same rows. Returns those rows."""
     harness.generate([("before", tokens)], max_tokens=3)
-    harness.scheduler.connector.routed.settle(10)
     harness.reset_prefix_cache()
     server.stop()
     harness.add_request("down", tokens, max_tokens=3)
@@ -371,7 +362,7 @@ def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
     expected = requests_recompute_while_the_server_is_down(harness, first, tokens)
     np.testing.assert_array_equal(expected, expected_rows(harness, "before", tokens, 3))
 
-    r3_server_factory(port=first.settings.port)
+    harness.server = r3_server_factory(port=first.settings.port)
     adapters = (harness.worker.worker_adapter, harness.scheduler.connector.scheduler_adapter)
     deadline = time.monotonic() + 30
     while not all(adapter.is_healthy for adapter in adapters):  # the worker's heartbeat re-registers its caches
@@ -380,7 +371,6 @@ def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
     harness.reset_prefix_cache()
     harness.generate([("restarted", tokens)], max_tokens=3)  # the new server is empty: computed, then stored
     assert harness.outputs["restarted"]["lmcache_r3_sources"]["lmcache_tokens"] == 0
-    book.settle(10)
     harness.reset_prefix_cache()
     harness.generate([("hit", tokens)], max_tokens=3)
     assert harness.outputs["hit"]["lmcache_r3_sources"]["lmcache_tokens"] == 3 * CHUNK
@@ -477,7 +467,7 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     adapter = connector.scheduler_adapter
     tokens = prompt(4 * CHUNK + 9, seed=12)
     harness.generate([("first", tokens)], max_tokens=3)
-    connector.routed.settle(10)
+    harness.settle_stores()
     with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
         assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
 

@@ -241,7 +241,8 @@ class PageView:
 class SchedulerHarness:
     """Real ``Scheduler`` (scheduler-role connector inside) + a worker-role connector, stepping together."""
 
-    def __init__(self, model_dir: Path, server_host: str, server_port: int, config: HarnessConfig) -> None:
+    def __init__(self, model_dir: Path, server: Any, config: HarnessConfig) -> None:
+        """``server``: the LMCache server (``lmcache_r3.mp.server_process``'s handle) the connector talks to."""
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -253,7 +254,8 @@ class SchedulerHarness:
         from vllm.v1.worker.utils import allocate_kv_cache
 
         self.config = config
-        self.vllm_config = make_vllm_config(model_dir, f"tcp://{server_host}", server_port, config)
+        self.server = server
+        self.vllm_config = make_vllm_config(model_dir, f"tcp://{server.settings.host}", server.settings.port, config)
         self._config_context = set_current_vllm_config(self.vllm_config)
         self._config_context.__enter__()
         self.sampled_token = 7
@@ -594,7 +596,24 @@ class SchedulerHarness:
             self.add_request(request_id, prompt, max_tokens)
         return self.run_until_idle()
 
+    def settle_stores(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) until what finished requests stored is visible to lookups.
+
+        LMCache answers a KV store before it commits the objects (they stay write-locked until its copy completes),
+        and the connector publishes R3 in the background: a lookup right after a request finished can miss both.
+        """
+        deadline = time.monotonic() + timeout_s
+        connector = self.scheduler.connector
+        if connector is not None and getattr(connector, "routed", None) is not None:
+            connector.routed.settle(timeout_s)
+        while (pending := self.server.l1_counts()["write_locked_count"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if pending:
+            raise TimeoutError(f"{pending} KV objects still write-locked on the server after {timeout_s:.0f} s")
+
     def reset_prefix_cache(self) -> None:
+        """vLLM's prefix cache reset, once every store is visible, so the next request's hit comes from LMCache."""
+        self.settle_stores()
         if not self.scheduler.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: requests still hold blocks")
 
