@@ -23,7 +23,8 @@ LMCache and computation, makes every LMCache hit a joint KV+R3 hit, stores R3 un
 the rows in ``kv_transfer_params["routed_experts"]`` (:mod:`lmcache_r3.mp.routed`; docs/r3.md).
 
 The worker side refuses, whatever the scheduler sent, to use the null block as the source or destination of a
-copy. Everything else (lookups, the transfer itself, sessions) is LMCache's. The connector reads
+copy. A finished request's server session ends once its last store reached the server, not before
+(:mod:`lmcache_r3.mp.sessions`). Everything else (lookups, the transfer itself) is LMCache's. The connector reads
 ``LMCACHE_CONFIG_FILE`` (or the file named by ``kv_connector_extra_config["lmcache_r3.config_file"]``) for the
 server address and timeouts; explicit ``lmcache.mp.*`` entries win.
 """
@@ -58,6 +59,7 @@ from lmcache_r3.mp.connector_config import (
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
+from lmcache_r3.mp.sessions import SessionEnds
 from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
 
 logger = logging.getLogger(__name__)
@@ -134,10 +136,16 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Time this role spent on routed experts (capture mapping on a worker, bookkeeping on the scheduler)."""
         self.r3_steps = 0
         self._r3_sends_rows = False
+        self.session_ends: SessionEnds | None = None
         if role == KVConnectorRole.SCHEDULER:
             # LMCache drops a finished request's lookup state; one still in flight is kept until it answers.
             self._drop_lookup_state = self.scheduler_adapter.cleanup_lookup_result
             self.scheduler_adapter.cleanup_lookup_result = self._cleanup_lookup_result
+            if not self.lazy_offload:  # (lazy offload ends sessions once its deferred stores are done)
+                # LMCache 0.5.6 ends the server session in request_finished, before the request's last store
+                # reaches the server (lmcache_mp_connector.py, request_finished): it ends once they are done.
+                self.session_ends = SessionEnds(self.scheduler_adapter.end_session)
+                self.scheduler_adapter.end_session = self.session_ends.finished
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
 
@@ -281,6 +289,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
+        if self.session_ends is not None and connector_output.finished_sending:
+            self.session_ends.stores_finished(connector_output.finished_sending, self._orphaned_lookups.__contains__)
         if self.routed is not None:
             started = time.perf_counter()
             self.routed.on_worker_output(connector_output.kv_connector_worker_meta)
@@ -318,12 +328,15 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """LMCache's cleanup; the returned params get the request's routed experts in this engine step.
 
         A request that finishes (is aborted) after its lookup answered but before vLLM admitted it still holds
-        the lookup's locks: they are released here (LMCache's own cleanup leaves them to the read-lock TTL).
+        the lookup's locks: they are released here (LMCache's own cleanup leaves them to the read-lock TTL). The
+        request's server session ends once its stores are done (:mod:`lmcache_r3.mp.sessions`).
         """
         self._release_unadmitted_lookup(request.request_id)
         self._forget(request.request_id)
         self._recompute_only.discard(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
+        if self.session_ends is not None and not delay_free:
+            self.session_ends.not_delayed(request.request_id)
         if self.routed is not None:
             params = self.routed.request_finished(request, params)
         return delay_free, params
@@ -492,6 +505,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self._drop_lookup_state(request_id)
             self.counters.add("lookups_finished_after_request")
             self._release_finished_lookup(tracker, hit or 0)  # past the deadline the server's TTL released them
+            if self.session_ends is not None:
+                self.session_ends.lookup_released(request_id)
 
     def _cleanup_lookup_result(self, request_id: str) -> None:
         """LMCache's cleanup of a request's lookup state, except for a lookup still polled after its request."""
