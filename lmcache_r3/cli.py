@@ -51,11 +51,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def summarize_status(status: dict) -> dict:
-    """The parts of ``/status`` an operator of lmcache_r3 looks at: health, L1 use and locks, R3 and tier counters."""
+    """The parts of ``/status`` an operator of lmcache_r3 looks at: health, sessions, L1 use and locks, R3 and tiers.
+
+    ``active_sessions`` counts requests whose session the server still holds: running requests, and finished ones
+    until their stores are done (one that stays after its engine went idle leaked, and expires with the server's
+    session TTL).
+    """
     l1 = status.get("storage_manager", {}).get("l1_managers", {}).get("_default", {})
     keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
     summary = {
         "healthy": status.get("is_healthy", status.get("healthy")),
+        "active_sessions": status.get("active_sessions"),
         "l1": {key: l1.get(key) for key in keys},
         # LMCache merges each server module's report_status() into the top level of /status.
         "r3": status.get("lmcache_r3"),

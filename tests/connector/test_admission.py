@@ -113,7 +113,7 @@ def test_partial_admission_retrieves_exactly_the_admitted_chunks_and_frees_the_r
     for layer, data in loaded.items():
         assert data == saved[layer][: len(data)], f"{layer}: loaded KV differs from what was stored"
     assert wait_locks(lmcache_server, 0) == 0
-    connector.request_finished(request, blocks[0])
+    harness.finish_by_hand(request, blocks[0])
 
 
 def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_left(
@@ -130,7 +130,7 @@ def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_
     assert done and failed, "the refused load must be reported as finished and failed, so vLLM recomputes"
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["retrieves_failed_closed"] == 1
-    connector.request_finished(request, [44])
+    harness.finish_by_hand(request, [44])
 
 
 def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_factory, lmcache_server):
@@ -144,7 +144,7 @@ def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_fa
     metadata = connector.build_connector_meta(empty_scheduler_output())
     assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
     assert connector.counters.values["zero_admissions"] == 1
-    connector.request_finished(request, [41])
+    harness.finish_by_hand(request, [41])
 
 
 def test_a_request_aborted_before_admission_releases_its_lookup_locks(scheduler_harness_factory, lmcache_server):
@@ -159,7 +159,7 @@ def test_a_request_aborted_before_admission_releases_its_lookup_locks(scheduler_
     assert lookup(connector, request)[0] == 3 * CHUNK
     assert wait_locks(lmcache_server, 3) == 3
     request.status = RequestStatus.FINISHED_ABORTED
-    connector.request_finished(request, [])
+    harness.finish_by_hand(request, [])
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["locks_released_at_finish_chunks"] == 3
 
@@ -180,7 +180,7 @@ def test_a_request_finished_while_its_lookup_is_in_flight_releases_the_locks_the
     request = harness.make_request("in-flight", tokens + [3])
     assert connector.get_num_new_matched_tokens(request, 0)[0] is None, "the lookup answered at once"
     request.status = RequestStatus.FINISHED_ABORTED
-    connector.request_finished(request, [])
+    harness.finish_by_hand(request, [])
     deadline = time.monotonic() + 10
     while not connector.counters.values.get("lookups_finished_after_request") and time.monotonic() < deadline:
         connector.build_connector_meta(empty_scheduler_output())  # the engine's later steps

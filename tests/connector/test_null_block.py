@@ -115,7 +115,7 @@ def test_a_null_block_after_a_real_one_fails_the_retrieve_closed(scheduler_harne
     assert connector.counters.values["retrieves_failed_closed"] == 1
     assert wait_locks(server, 0) == 0
     assert harness.null_block_changed_bytes() == 0
-    connector.request_finished(request, attention)
+    harness.finish_by_hand(request, attention)
 
 
 def test_hybrid_model_with_engine_driven_transfer_is_refused_naming_the_mode_that_works(
@@ -147,4 +147,4 @@ def test_hybrid_partial_admission_recomputes_and_frees_every_lock(scheduler_harn
     assert done and failed
     assert wait_locks(server, 0) == 0
     assert harness.null_block_changed_bytes() == 0
-    connector.request_finished(request, attention)
+    harness.finish_by_hand(request, attention)

@@ -485,7 +485,7 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     assert connector.routed.counters.values["fetches"] == fetches + 1, "the R3 fetch was sent again at the re-ask"
 
     request.status = RequestStatus.FINISHED_ABORTED  # aborted while it waits: never admitted
-    connector.request_finished(request, [])
+    harness.finish_by_hand(request, [])
     assert connector.counters.values["locks_released_at_finish_chunks"] == 1  # the 3 past the joint hit were gone
     adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
     adapter.cleanup_lookup_result("holder")

@@ -72,6 +72,7 @@ def test_the_example_file_starts_a_working_server_with_r3(example_on_free_ports,
         summary = json.loads(inspect.stdout)
         assert summary["r3"]["stored_chunks"] == 2
         assert summary["r3"]["namespace"] == "##r3"
+        assert summary["active_sessions"] == server.status()["active_sessions"] == 0
     finally:
         process.stop()
     assert not process.alive()

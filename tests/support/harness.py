@@ -596,6 +596,30 @@ class SchedulerHarness:
             self.add_request(request_id, prompt, max_tokens)
         return self.run_until_idle()
 
+    def finish_by_hand(self, request: Any, block_ids: list[int], timeout_s: float = 10.0) -> dict | None:
+        """End a request a test drove by hand (outside :meth:`step`) as vLLM ends it; returns its params.
+
+        ``request_finished``; when the connector keeps the blocks, the worker is told the request finished, and its
+        report that the request's transfers are done (``finished_sending``) is fed back to the scheduler side, which
+        ends the request's server session then. A test that skipped the report would leave the session on the
+        shared server, and a later request under the same id would use it.
+        """
+        from vllm.v1.outputs import KVConnectorOutput
+
+        connector = self.scheduler.connector
+        delay_free, params = connector.request_finished(request, block_ids)
+        if delay_free:
+            request_id = request.request_id
+            told = {request_id}  # vLLM passes a finished request to the worker once, in the next step's output
+            deadline = time.monotonic() + timeout_s
+            while request_id not in set(self.worker.get_transfer_results(told).finished_sending or ()):
+                told = set()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the worker did not report {request_id!r} finished within {timeout_s:.0f} s")
+                time.sleep(0.01)
+            connector.update_connector_output(KVConnectorOutput(finished_sending={request_id}))
+        return params
+
     def settle_stores(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) until what finished requests stored is visible to lookups.
 
