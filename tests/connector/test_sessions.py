@@ -5,12 +5,10 @@ that and creates the session again, which the server then keeps for 10 minutes, 
 id has its KV stored under the old tokens' chunk keys.
 """
 
-import time
-
 import numpy as np
 import pytest
 
-from tests.support.harness import kv_lookup_answer
+from tests.support.harness import kv_lookup_answer, wait_sessions
 
 pytestmark = pytest.mark.harness
 
@@ -22,14 +20,6 @@ def prompt(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
-def active_sessions(server, expected: int, timeout_s: float = 5.0) -> int:
-    """The server's session count once it is ``expected`` (or whatever it is after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while (count := server.status()["active_sessions"]) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return count
-
-
 def test_finished_requests_leave_no_session_on_the_server(own_r3_server, scheduler_harness_factory):
     harness = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
     base = prompt(3 * CHUNK + 5, seed=1)
@@ -39,7 +29,7 @@ def test_finished_requests_leave_no_session_on_the_server(own_r3_server, schedul
     harness.generate(shared.items(), max_tokens=3)
     harness.settle_stores()
     assert harness.scheduler.connector.session_ends.pending() == 0
-    assert active_sessions(own_r3_server, 0) == 0, "a finished request's session outlived it on the server"
+    assert wait_sessions(own_r3_server, 0) == 0, "a finished request's session outlived it on the server"
 
 
 def test_an_engine_reusing_a_finished_request_id_stores_its_kv_under_its_own_tokens(

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.harness import wait_sessions
+
 pytestmark = pytest.mark.engine
 
 CHUNK = 64
@@ -58,7 +60,11 @@ def hf_router(tiny_moe):
 
 @pytest.fixture(scope="module")
 def main_run(tiny_moe, r3_server, tmp_path_factory):
-    return run_scenario("main", tiny_moe, r3_server, tmp_path_factory.mktemp("engine-main"))
+    """The main scenario's arrays and facts; ``facts["sessions_left"]``: server sessions it opened and left."""
+    sessions_before = r3_server.status()["active_sessions"]
+    arrays, facts = run_scenario("main", tiny_moe, r3_server, tmp_path_factory.mktemp("engine-main"))
+    facts["sessions_left"] = wait_sessions(r3_server, sessions_before) - sessions_before
+    return arrays, facts
 
 
 def assert_rows_match_hf(arrays, hf_router, key):
@@ -115,6 +121,14 @@ def test_a_stop_string_gives_a_clear_error_instead_of_rows(main_run):
     assert "stop.rows" not in facts
     message = facts["stop.error"]
     assert f"stop string '{facts['stop.word']}'" in message and "stop_token_ids" in message
+
+
+def test_the_engines_finished_requests_leave_no_session_on_the_server(main_run):
+    """Every request of the run (an aborted stop-string one among them) ends its LMCache session once its last
+    store reached the server; a session left behind would serve a later request under the same id the old tokens'
+    chunk keys."""
+    _, facts = main_run
+    assert facts["sessions_left"] == 0
 
 
 def test_preempted_requests_return_exact_rows(tiny_moe, r3_server, hf_router, tmp_path):

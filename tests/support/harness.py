@@ -685,6 +685,15 @@ def wait_locks(server, expected: int, timeout_s: float = 10.0) -> int:
     return count
 
 
+def wait_sessions(server, expected: int, timeout_s: float = 5.0) -> int:
+    """The server's session count (``active_sessions``) once it is ``expected`` (or whatever it is after
+    ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (count := server.status()["active_sessions"]) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return count
+
+
 def locks_stay(server, expected: int, seconds: float = 1.0) -> int:
     """The first read-locked object count other than ``expected`` seen within ``seconds``, else ``expected``."""
     deadline = time.monotonic() + seconds
