@@ -60,7 +60,12 @@ from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.mp.sessions import SessionEnds
-from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
+from lmcache_r3.mp.stock_adapter import (
+    defer_session_ends,
+    group_windows,
+    has_recurrent_group,
+    report_unsubmitted_retrieve_failed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +147,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self._drop_lookup_state = self.scheduler_adapter.cleanup_lookup_result
             self.scheduler_adapter.cleanup_lookup_result = self._cleanup_lookup_result
             if not self.lazy_offload:  # (lazy offload ends sessions once its deferred stores are done)
-                # LMCache 0.5.6 ends the server session in request_finished, before the request's last store
-                # reaches the server (lmcache_mp_connector.py, request_finished): it ends once they are done.
-                self.session_ends = SessionEnds(self.scheduler_adapter.end_session)
-                self.scheduler_adapter.end_session = self.session_ends.finished
+                self.session_ends = defer_session_ends(self.scheduler_adapter)
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
 

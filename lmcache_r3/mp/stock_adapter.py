@@ -1,6 +1,6 @@
 """The few places where lmcache_r3 relies on internals of LMCache 0.5.6 and vLLM 0.32, each in one function.
 
-Every function here names the version and the file it depends on; ``tests/unit/test_stock_adapter.py`` fails
+Every function here names the version and the file it depends on; ``tests/connector/test_stock_adapter.py`` fails
 loudly when an upgrade moves any of them.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+from lmcache_r3.mp.sessions import SessionEnds
 
 
 def report_unsubmitted_retrieve_failed(worker_adapter: Any, request_id: str, block_ids: Iterable[int]) -> None:
@@ -50,3 +52,15 @@ def has_recurrent_group(kv_cache_config: Any) -> bool:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return any(isinstance(g.kv_cache_spec, MambaSpec) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+
+
+def defer_session_ends(scheduler_adapter: Any) -> SessionEnds:
+    """Route the stock connector's session ends through a :class:`SessionEnds`, which ends them later.
+
+    LMCache 0.5.6's connector ends a request's server session with ``scheduler_adapter.end_session(request_id)``
+    in ``request_finished`` (``integration/vllm/lmcache_mp_connector.py``), before the request's last store has
+    reached the server; the adapter's own ``end_session`` is kept as the one that really ends it.
+    """
+    ends = SessionEnds(scheduler_adapter.end_session)
+    scheduler_adapter.end_session = ends.finished
+    return ends

@@ -26,3 +26,17 @@ def test_group_windows_follow_lmcache_registration(scheduler_harness_factory):
     dense = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
     assert group_windows(dense.kv_cache_config) == [-1]
     assert not has_recurrent_group(dense.kv_cache_config)
+
+
+def test_the_stock_connector_ends_a_finished_requests_session_through_the_deferred_hook(scheduler_harness_factory):
+    """LMCache 0.5.6's ``request_finished`` ends the session via ``scheduler_adapter.end_session``: lmcache_r3's
+    connector holds it until the worker reports the request's stores finished."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    harness = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
+    connector = harness.scheduler.connector
+    delay_free, _ = connector.request_finished(harness.make_request("S", list(range(10, 50))), [])
+    assert delay_free, "the stock connector frees a storing request's blocks only after its stores"
+    assert connector.session_ends.pending() == 1, "the stock connector no longer ends sessions through the hook"
+    connector.update_connector_output(KVConnectorOutput(finished_sending={"S"}))
+    assert connector.session_ends.pending() == 0
