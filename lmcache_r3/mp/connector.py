@@ -128,6 +128,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self.r3_profile = routed_experts_profile(
             vllm_config, bool(merged[ROUTED_EXPERTS_KEY]), say_why=role == KVConnectorRole.SCHEDULER
         )
+        if self.lazy_offload and self.r3_profile is not None:
+            raise ValueError(
+                "lmcache.mp.lazy_offload stores a request's KV after it finished, when vLLM is about to evict its "
+                "blocks, and lmcache_r3 stores routed experts with the KV stores made while the request runs: "
+                "every lazily stored chunk would lack its R3 and every LMCache hit on it would be dropped. Remove "
+                'lmcache.mp.lazy_offload, or set "lmcache_r3.routed_experts": false in kv_connector_extra_config.'
+            )
         self._r3_group = mirrored_group(kv_cache_config)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
         self.routed: RoutedExpertsBook | None = None

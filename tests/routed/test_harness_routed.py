@@ -421,6 +421,21 @@ def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(
     assert sum("no MoE layers" in r.getMessage() for r in caplog.records) == 1  # said once, by the scheduler role
 
 
+def test_lazy_offload_with_routed_experts_is_refused_naming_both_ways_out(scheduler_harness_factory, r3_server):
+    """LMCache's lazy offload stores KV after the request finished, where no R3 store follows: a start-up error, not
+    a deployment whose every LMCache hit is dropped for lack of routed experts."""
+    with pytest.raises(ValueError, match=r'lmcache\.mp\.lazy_offload.*"lmcache_r3\.routed_experts": false'):
+        scheduler_harness_factory(
+            server=r3_server, connector_module=CONNECTOR, routed_experts=True,
+            extra_config={"lmcache.mp.lazy_offload": True},
+        )  # fmt: skip
+    harness = scheduler_harness_factory(
+        server=r3_server, connector_module=CONNECTOR, routed_experts=False,
+        extra_config={"lmcache.mp.lazy_offload": True},
+    )  # fmt: skip
+    assert harness.scheduler.connector.routed is None  # KV-only lazy offload is LMCache's, unchanged
+
+
 def test_a_step_without_capture_gives_an_error_never_rows(r3_harness, caplog):
     """What the worker reports when the routers did not capture (e.g. torch.compile on CPU): no row is guessed."""
     from lmcache_r3.mp.capture import CaptureError
