@@ -53,6 +53,7 @@ from lmcache_r3.mp.connector_config import (
     SEPARATE_GROUPS_KEY,
     first_server_url,
     mirrored_group,
+    refuse_lazy_offload,
     resolve_extra_config,
     routed_experts_profile,
 )
@@ -103,10 +104,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             logger.info("lmcache_r3: kv_load_failure_policy set to 'recompute' (was %r)",
                         transfer_config.kv_load_failure_policy)  # fmt: skip
             transfer_config.kv_load_failure_policy = "recompute"
+        # Routed experts (R3), and what lmcache_r3 refuses, before LMCache's connector opens its sockets and threads.
+        self.r3_profile = routed_experts_profile(
+            vllm_config, bool(merged[ROUTED_EXPERTS_KEY]), say_why=role == KVConnectorRole.SCHEDULER
+        )
+        refuse_lazy_offload(merged, kv_cache_config, self.r3_profile is not None)
         super().__init__(vllm_config, role, kv_cache_config)
         self._kv_cache_config_for_r3 = kv_cache_config
-        if self.lazy_offload and len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
-            raise ValueError("lmcache.mp.lazy_offload is not supported with hybrid models by lmcache_r3; remove it")
         self.counters = Counters(*CONNECTOR_COUNTERS)
         self._group_windows = group_windows(kv_cache_config) or [-1] * len(self._group_tokens_per_block)
         self._recurrent = has_recurrent_group(kv_cache_config)
@@ -125,16 +129,6 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._failed_retrieves: list[tuple[str, list[int]]] = []
         self._unflushed_store_blocks: set[int] = set()
         # Routed experts (R3).
-        self.r3_profile = routed_experts_profile(
-            vllm_config, bool(merged[ROUTED_EXPERTS_KEY]), say_why=role == KVConnectorRole.SCHEDULER
-        )
-        if self.lazy_offload and self.r3_profile is not None:
-            raise ValueError(
-                "lmcache.mp.lazy_offload stores a request's KV after it finished, when vLLM is about to evict its "
-                "blocks, and lmcache_r3 stores routed experts with the KV stores made while the request runs: "
-                "every lazily stored chunk would lack its R3 and every LMCache hit on it would be dropped. Remove "
-                'lmcache.mp.lazy_offload, or set "lmcache_r3.routed_experts": false in kv_connector_extra_config.'
-            )
         self._r3_group = mirrored_group(kv_cache_config)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
         self.routed: RoutedExpertsBook | None = None

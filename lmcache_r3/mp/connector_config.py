@@ -18,6 +18,7 @@ __all__ = [
     "TRANSFER_MODE_KEY",
     "first_server_url",
     "mirrored_group",
+    "refuse_lazy_offload",
     "resolve_extra_config",
     "routed_experts_profile",
 ]
@@ -26,6 +27,7 @@ TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 SEPARATE_GROUPS_KEY = "lmcache_r3.separate_object_groups"
 ROUTED_EXPERTS_KEY = "lmcache_r3.routed_experts"
 R3_TIMEOUT_KEY = "lmcache_r3.r3_timeout_s"
+LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
 
 
 def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
@@ -56,6 +58,27 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
     merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
     return merged
+
+
+def refuse_lazy_offload(extra_config: dict[str, Any], kv_cache_config: Any, routed_experts: bool) -> None:
+    """Refuse LMCache's lazy offload where lmcache_r3 cannot serve it (read as LMCache 0.5.6 reads it).
+
+    Raises:
+        ValueError: lazy offload on a hybrid model (its deferred stores know nothing of the null-block fixes), or
+            with routed experts on (its stores come after the request finished, where no R3 store follows, so
+            every lazily stored chunk would lack its R3 and every LMCache hit on it would be dropped).
+    """
+    if not extra_config.get(LAZY_OFFLOAD_KEY, False):
+        return
+    if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
+        raise ValueError(f"{LAZY_OFFLOAD_KEY} is not supported with hybrid models by lmcache_r3; remove it")
+    if routed_experts:
+        raise ValueError(
+            f"{LAZY_OFFLOAD_KEY} stores a request's KV after it finished, when vLLM is about to evict its blocks, "
+            "and lmcache_r3 stores routed experts with the KV stores made while the request runs: every lazily "
+            f"stored chunk would lack its R3 and every LMCache hit on it would be dropped. Remove {LAZY_OFFLOAD_KEY}, "
+            f'or set "{ROUTED_EXPERTS_KEY}": false in kv_connector_extra_config.'
+        )
 
 
 def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True) -> R3Profile | None:

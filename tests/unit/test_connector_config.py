@@ -4,7 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmcache_r3.mp.connector_config import SEPARATE_GROUPS_KEY, TRANSFER_MODE_KEY, resolve_extra_config
+from lmcache_r3.mp.connector_config import (
+    LAZY_OFFLOAD_KEY,
+    SEPARATE_GROUPS_KEY,
+    TRANSFER_MODE_KEY,
+    refuse_lazy_offload,
+    resolve_extra_config,
+)
 
 
 def groups(n: int):
@@ -43,3 +49,22 @@ def test_server_address_and_flags_come_from_the_config_file(tmp_path):
     assert merged[SEPARATE_GROUPS_KEY] is True
     explicit = resolve_extra_config({"lmcache_r3.config_file": str(file), SEPARATE_GROUPS_KEY: False}, groups(1))
     assert explicit[SEPARATE_GROUPS_KEY] is False
+
+
+@pytest.mark.parametrize(
+    ("lazy", "num_groups", "routed_experts", "refusal"),
+    [
+        pytest.param(False, 2, True, None, id="no-lazy-offload-nothing-refused"),
+        pytest.param(True, 1, False, None, id="lazy-offload-of-a-dense-model-without-r3-is-lmcaches"),
+        pytest.param(True, 1, True, r'lack its R3.*"lmcache_r3\.routed_experts": false', id="lazy-offload-with-r3"),
+        pytest.param(True, 2, False, "not supported with hybrid models", id="lazy-offload-of-a-hybrid-model"),
+        pytest.param(True, 2, True, "not supported with hybrid models", id="hybrid-is-said-first"),
+    ],
+)
+def test_lazy_offload_is_refused_where_lmcache_r3_cannot_serve_it(lazy, num_groups, routed_experts, refusal):
+    extra = {LAZY_OFFLOAD_KEY: lazy}
+    if refusal is None:
+        refuse_lazy_offload(extra, groups(num_groups), routed_experts)
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            refuse_lazy_offload(extra, groups(num_groups), routed_experts)
