@@ -147,7 +147,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             # LMCache drops a finished request's lookup state; one still in flight is kept until it answers.
             self._drop_lookup_state = self.scheduler_adapter.cleanup_lookup_result
             self.scheduler_adapter.cleanup_lookup_result = self._cleanup_lookup_result
-            if not self.lazy_offload:  # (lazy offload ends sessions once its deferred stores are done)
+            # A consumer stores nothing, so nothing can outlive its session's end; lazy offload ends sessions
+            # itself once its deferred stores are done.
+            if transfer_config.is_kv_producer and not self.lazy_offload:
                 self.session_ends = defer_session_ends(self.scheduler_adapter)
         if self.r3_profile is not None and role == KVConnectorRole.SCHEDULER:
             self._init_routed_experts_book(vllm_config, kv_cache_config, merged)
@@ -338,8 +340,6 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._forget(request.request_id)
         self._recompute_only.discard(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
-        if self.session_ends is not None and not delay_free:
-            self.session_ends.not_delayed(request.request_id)
         if self.routed is not None:
             params = self.routed.request_finished(request, params)
         return delay_free, params

@@ -11,7 +11,8 @@ key another prompt looks up.
 
 :class:`SessionEnds` ends a finished request's session only once nothing of the request can reach the server any
 more: the worker reported its stores finished (vLLM's ``finished_sending``, reported for every finished request
-whose blocks the connector kept), and a lookup still in flight at the finish has answered and been released.
+of a connector that stores, whose blocks it keeps until then), and a lookup still in flight at the finish has
+answered and been released.
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ class SessionEnds:
     def finished(self, request_id: str) -> None:
         """vLLM finished the request (where LMCache 0.5.6 would end its session): wait for its stores."""
         self._awaiting_stores.add(request_id)
-
-    def not_delayed(self, request_id: str) -> None:
-        """The connector freed the request's blocks at once (it stores nothing): no ``finished_sending`` will come."""
-        if request_id in self._awaiting_stores:
-            self._awaiting_stores.discard(request_id)
-            self._end_session(request_id)
 
     def stores_finished(self, request_ids: Iterable[str], held: Callable[[str], bool]) -> None:
         """The worker reported these requests' stores finished; ``held(request_id)``: its lookup is still out."""

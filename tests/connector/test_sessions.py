@@ -42,9 +42,25 @@ def test_an_engine_reusing_a_finished_request_id_stores_its_kv_under_its_own_tok
         engine = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
         engine.generate([("0", tokens[name])], max_tokens=2)
         engine.settle_stores()
+        assert wait_sessions(own_r3_server, 0) == 0, "request 0's session outlived it: the next engine's 0 gets it"
     adapter = engine.scheduler.connector.scheduler_adapter
     for name, prompt_tokens in tokens.items():
         adapter.maybe_submit_lookup_request(name, token_ids=prompt_tokens)
         assert kv_lookup_answer(adapter, name) == 3 * CHUNK, f"the {name} prompt's KV is not under its chunk keys"
         adapter.free_lookup_locks(prompt_tokens, 0, 3 * CHUNK, name)
         adapter.cleanup_lookup_result(name)
+
+
+def test_a_consumer_engine_loading_from_lmcache_leaves_no_session(own_r3_server, scheduler_harness_factory):
+    """A ``kv_consumer`` stores nothing and its worker never reports stores finished: its sessions end at the
+    finish, as LMCache's own connector ends them."""
+    tokens = prompt(3 * CHUNK + 20, seed=4)
+    producer = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
+    producer.generate([("p", tokens)], max_tokens=2)
+    producer.settle_stores()
+    consumer = scheduler_harness_factory(
+        server=own_r3_server, connector_module=CONNECTOR, routed_experts=True, kv_role="kv_consumer"
+    )
+    consumer.generate([("c", tokens)], max_tokens=2)
+    assert consumer.outputs["c"]["lmcache_r3_sources"]["lmcache_tokens"] == 3 * CHUNK  # it did use the server
+    assert wait_sessions(own_r3_server, 0) == 0, "a consumer's finished request kept its session on the server"

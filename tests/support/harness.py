@@ -55,6 +55,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     """vLLM's async scheduling, its default on GPU (the CPU platform turns it off): ``AsyncScheduler``, stepped as
     ``EngineCore.step_with_batch_queue`` steps it, so step N+1 is scheduled before step N's output is processed."""
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
     extra_config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -167,7 +168,7 @@ def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, co
         kv_transfer_config=KVTransferConfig(
             kv_connector=config.connector_name,
             kv_connector_module_path=config.connector_module,
-            kv_role="kv_both",
+            kv_role=config.kv_role,
             kv_connector_extra_config=extra,
         ),
         device_config=DeviceConfig("cpu"),
@@ -674,24 +675,26 @@ def kv_lookup_answer(adapter, request_id: str, timeout_s: float = 20.0) -> int:
     return hit
 
 
+def wait_for(read: Callable[[], int], expected: int, timeout_s: float) -> int:
+    """``read()`` once it returns ``expected`` (or whatever it returns after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
 def wait_locks(server, expected: int, timeout_s: float = 10.0) -> int:
     """The server's read-locked object count once it is ``expected`` (or whatever it is after ``timeout_s``).
 
     It counts locked objects, not locks: two lookups locking the same chunk count once.
     """
-    deadline = time.monotonic() + timeout_s
-    while (count := server.l1_counts()["read_locked_count"]) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return count
+    return wait_for(lambda: server.l1_counts()["read_locked_count"], expected, timeout_s)
 
 
 def wait_sessions(server, expected: int, timeout_s: float = 5.0) -> int:
     """The server's session count (``active_sessions``) once it is ``expected`` (or whatever it is after
     ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while (count := server.status()["active_sessions"]) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return count
+    return wait_for(lambda: server.status()["active_sessions"], expected, timeout_s)
 
 
 def locks_stay(server, expected: int, seconds: float = 1.0) -> int:

@@ -13,17 +13,12 @@ def spec(name: str, *values):
     return pytest.param(*values, id=name)
 
 
-# Events: ("finished", id), ("not_delayed", id), ("stores", ids, held ids), ("released", id).
+# Events: ("finished", id), ("stores", ids, held ids), ("released", id).
 # Each row: the events in order, then the sessions ended after each event.
 CASES = [
     spec(
         "a finished request's session ends when its stores are reported finished, not before",
         [("finished", "a"), ("stores", {"a"}, set())],
-        [[], ["a"]],
-    ),
-    spec(
-        "a request whose blocks were freed at once (nothing stored) ends at its finish",
-        [("finished", "a"), ("not_delayed", "a")],
         [[], ["a"]],
     ),
     spec(
@@ -43,7 +38,7 @@ CASES = [
     ),
     spec(
         "each session ends once, whatever repeats",
-        [("finished", "a"), ("stores", {"a"}, set()), ("stores", {"a"}, set()), ("not_delayed", "a")],
+        [("finished", "a"), ("stores", {"a"}, set()), ("stores", {"a"}, set()), ("released", "a")],
         [[], ["a"], [], []],
     ),
     spec(
@@ -69,8 +64,6 @@ def test_session_ends_after_the_requests_last_server_call(events, ended_after_ea
         kind = event[0]
         if kind == "finished":
             ends.finished(event[1])
-        elif kind == "not_delayed":
-            ends.not_delayed(event[1])
         elif kind == "stores":
             ends.stores_finished(event[1], event[2].__contains__)
         else:
