@@ -30,6 +30,11 @@ R3_TIMEOUT_KEY = "lmcache_r3.r3_timeout_s"
 LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
 
 
+def _num_kv_groups(kv_cache_config: Any) -> int:
+    """vLLM's KV cache groups: one for a dense model, several for a hybrid one."""
+    return len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+
+
 def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> dict[str, Any]:
     """The ``kv_connector_extra_config`` LMCache's connector is built with.
 
@@ -42,7 +47,7 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     """
     config = load_connector_config(extra_config)
     merged = stock_connector_extra_config(config, extra_config)
-    num_groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    num_groups = _num_kv_groups(kv_cache_config)
     if num_groups > 1:
         mode = merged.get(TRANSFER_MODE_KEY)
         if mode == "engine_driven":
@@ -70,7 +75,7 @@ def refuse_lazy_offload(extra_config: dict[str, Any], kv_cache_config: Any, rout
     """
     if not extra_config.get(LAZY_OFFLOAD_KEY, False):
         return
-    if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:
+    if _num_kv_groups(kv_cache_config) > 1:
         raise ValueError(f"{LAZY_OFFLOAD_KEY} is not supported with hybrid models by lmcache_r3; remove it")
     if routed_experts:
         raise ValueError(
