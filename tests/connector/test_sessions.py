@@ -28,8 +28,8 @@ def test_finished_requests_leave_no_session_on_the_server(own_r3_server, schedul
     shared = {f"s{cut}": base[:cut] + prompt(40, seed=cut) for cut in (CHUNK + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)}
     harness.generate(shared.items(), max_tokens=3)
     harness.settle_stores()
-    assert harness.scheduler.connector.session_ends.pending() == 0
     assert wait_sessions(own_r3_server, 0) == 0, "a finished request's session outlived it on the server"
+    assert harness.scheduler.connector.session_ends.pending() == 0
 
 
 def test_an_engine_reusing_a_finished_request_id_stores_its_kv_under_its_own_tokens(
