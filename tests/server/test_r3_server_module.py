@@ -280,6 +280,19 @@ def test_status_reports_the_r3_counters(client, r3_server):
     assert status["stored_chunks"] >= 1 and status["store_calls"] >= 1
 
 
+def test_status_reports_the_server_time_r3_handlers_took(client, r3_server):
+    tokens = tokens_for(13, 2 * CHUNK)
+    before = r3_server.status()["lmcache_r3"]
+    store_rows(client, tokens, rows_for(13, 2 * CHUNK))
+    stored = r3_server.status()["lmcache_r3"]
+    assert client.fetch(tokens).result().num_hit_chunks == 2
+    fetched = r3_server.status()["lmcache_r3"]
+    assert stored["store_handler_us"] > before["store_handler_us"]  # a store costs server time, and it shows
+    assert stored["read_handler_us"] == before["read_handler_us"]
+    assert fetched["read_handler_us"] > stored["read_handler_us"]
+    assert fetched["store_handler_us"] == stored["store_handler_us"]
+
+
 def test_info_reports_chunk_size_and_namespace(client):
     info = client.info().result()
     assert (info.chunk_size, info.namespace) == (CHUNK, "##r3")
