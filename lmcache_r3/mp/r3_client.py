@@ -33,13 +33,17 @@ class R3TimeoutError(TimeoutError):
 
 
 class R3Call(Generic[T]):
-    """One call in flight; :meth:`result` returns the decoded response or raises."""
+    """One call in flight; :meth:`result` returns the decoded response or raises.
+
+    The response is decoded once: the requests of one ``fetch_many`` each read their result from the same call.
+    """
 
     def __init__(self, method: str, future: Any, response_type: type[T], deadline: float) -> None:
         self.method = method
         self._future = future
         self._response_type = response_type
         self._deadline = deadline
+        self._decoded: T | None = None
 
     def done(self) -> bool:
         return self._future.query()
@@ -55,6 +59,8 @@ class R3Call(Generic[T]):
             R3TimeoutError: no answer in time.
             R3ClientError: the server refused the request; the message says why.
         """
+        if self._decoded is not None:
+            return self._decoded
         remaining = max(0.0, self._deadline - time.monotonic())
         if timeout is not None:
             remaining = min(remaining, timeout)
@@ -63,7 +69,8 @@ class R3Call(Generic[T]):
         response = self._future.result(0)
         if not response.success:
             raise R3ClientError(f"{self.method} refused by the server: {response.error}")
-        return protocol.decode(response.payload, self._response_type)
+        self._decoded = protocol.decode(response.payload, self._response_type)
+        return self._decoded
 
 
 class R3Client:
