@@ -88,6 +88,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Bound on any one KV request to the server before the connector gives up and recomputes."""
     r3_timeout_s: PositiveSeconds = 5.0
     """Bound on an R3 lookup, store or fetch; past it the R3 hit counts as a miss."""
+    r3_store_batch_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
+    """Engine steps the R3 of running requests may wait to be sent in one store call with later ones (0: every step
+    sends its own). A request's R3 is sent no later than the step it ends in."""
     save_decode_cache: bool = False
     """Also store the KV (and routed experts) of generated tokens, so a multi-turn rollout's next turn reuses the
     previous answer; off stores prompt tokens only (LMCache's default)."""

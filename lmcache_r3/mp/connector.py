@@ -48,6 +48,7 @@ from lmcache_r3.artifacts import GatherNarrowError, TokenRange
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import capture, planning, stock_fit
 from lmcache_r3.mp.connector_config import (
+    R3_STORE_BATCH_KEY,
     R3_TIMEOUT_KEY,
     ROUTED_EXPERTS_KEY,
     SEPARATE_GROUPS_KEY,
@@ -164,6 +165,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             num_blocks=kv_cache_config.num_blocks,
             client=client,
             fetch_timeout_s=timeout_s,
+            store_batch_steps=extra[R3_STORE_BATCH_KEY],
         )
         self.routed.probe_server(min(timeout_s, 2.0))
 
@@ -535,6 +537,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             logger.info("lmcache_r3: routed experts took %.3f s of the %s role over %d steps (%.3f ms a step)",
                         self.r3_seconds, self.role.name.lower(), self.r3_steps,
                         1e3 * self.r3_seconds / self.r3_steps)  # fmt: skip
+        if self.routed is not None:
+            self.routed.settle(2.0)  # R3 stores still batched or in flight reach the server before it goes
         super().shutdown()
 
     # ==============================================================================================

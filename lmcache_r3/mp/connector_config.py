@@ -12,6 +12,7 @@ from lmcache_r3.config import load_connector_config, stock_connector_extra_confi
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "R3_STORE_BATCH_KEY",
     "R3_TIMEOUT_KEY",
     "ROUTED_EXPERTS_KEY",
     "SEPARATE_GROUPS_KEY",
@@ -27,6 +28,7 @@ TRANSFER_MODE_KEY = "lmcache.mp.mp_transfer_mode"
 SEPARATE_GROUPS_KEY = "lmcache_r3.separate_object_groups"
 ROUTED_EXPERTS_KEY = "lmcache_r3.routed_experts"
 R3_TIMEOUT_KEY = "lmcache_r3.r3_timeout_s"
+R3_STORE_BATCH_KEY = "lmcache_r3.r3_store_batch_steps"
 LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
 
 
@@ -42,8 +44,8 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     (several KV groups) needs lmcache_driven transfer: LMCache 0.5.6's engine-driven transfer handles one group.
 
     Raises:
-        ValueError: a hybrid model with ``lmcache.mp.mp_transfer_mode=engine_driven``; the message names the mode
-            that works.
+        ValueError: a hybrid model with ``lmcache.mp.mp_transfer_mode=engine_driven`` (the message names the mode
+            that works), or an ``lmcache_r3.r3_store_batch_steps`` that is not an integer in [0, 1024].
     """
     config = load_connector_config(extra_config)
     merged = stock_connector_extra_config(config, extra_config)
@@ -62,6 +64,13 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     merged.setdefault(SEPARATE_GROUPS_KEY, "--separate-object-groups" in config.server.extra_args)
     merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
     merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
+    merged.setdefault(R3_STORE_BATCH_KEY, config.connector.r3_store_batch_steps)
+    batch_steps = merged[R3_STORE_BATCH_KEY]
+    if type(batch_steps) is not int or not 0 <= batch_steps <= 1024:
+        raise ValueError(
+            f"{R3_STORE_BATCH_KEY} must be an integer in [0, 1024] (engine steps the R3 of running requests may wait "
+            f"to be sent in one store call; 0 sends it every step), got {batch_steps!r}"
+        )
     return merged
 
 

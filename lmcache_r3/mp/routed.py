@@ -117,6 +117,7 @@ class RoutedExpertsBook:
         num_blocks: int,
         client: R3Client | None,
         fetch_timeout_s: float,
+        store_batch_steps: int = 0,
     ) -> None:
         self.profile = profile
         self.chunk_size = chunk_size
@@ -137,6 +138,12 @@ class RoutedExpertsBook:
         """The latest step whose rows the worker reported: rows of every earlier step are in the mirror too."""
         self._publish_due: dict[str, int] = {}
         """Per request with KV stored past its published R3, the step after whose report the rows are there."""
+        self.store_batch_steps = store_batch_steps
+        """Reported steps the R3 of running requests may wait to go out in one store call with later ones."""
+        self._unsent: list[StoreSpec] = []
+        self._unsent_ids: list[str] = []
+        self._unsent_since = 0
+        """The reported step when the oldest unsent store was read from the mirror."""
         self.retry_after_s = 10.0
         self._quiet_until = 0.0
 
@@ -369,6 +376,8 @@ class RoutedExpertsBook:
             self._take_step(worker_meta)
         if self._publish_due:
             self._publish_due_chunks()
+        if self._stores_due():
+            self._send_stores()
         if self._finishing:
             self._finish()
         if self._stores:
@@ -407,9 +416,10 @@ class RoutedExpertsBook:
         return self.client is not None and time.monotonic() >= self._quiet_until
 
     def _publish_due_chunks(self) -> None:
-        """Store, in one call, the R3 of every request whose stored KV range the reported steps completed."""
-        items: list[StoreSpec] = []
-        publishers: list[str] = []
+        """Read the R3 of every request whose stored KV range the reported steps completed, for the next store call.
+
+        The rows are read now, while the requests hold their blocks; :meth:`_send_stores` sends them.
+        """
         for request_id, due in list(self._publish_due.items()):
             if due > self._reported:
                 continue
@@ -417,10 +427,26 @@ class RoutedExpertsBook:
             state = self._requests.get(request_id)
             item = self._publishable(state) if state is not None else None
             if item is not None:
-                items.append(item)
-                publishers.append(request_id)
-        if items:
-            self._stores.append((tuple(publishers), self.client.store_many(items)))
+                if not self._unsent:
+                    self._unsent_since = self._reported
+                self._unsent.append(item)
+                self._unsent_ids.append(request_id)
+
+    def _stores_due(self) -> bool:
+        """Whether the unsent R3 stores go out now: the oldest waited ``store_batch_steps`` reported steps, or one
+        belongs to a request that ended (its next turn may look it up at once), or no request is left."""
+        if not self._unsent:
+            return False
+        if self._reported - self._unsent_since >= self.store_batch_steps or not self._requests:
+            return True
+        return any(request_id in self._finishing or request_id not in self._requests for request_id in self._unsent_ids)
+
+    def _send_stores(self) -> None:
+        """Send every unsent R3 store in one call."""
+        if self._unsent:
+            items, publishers = self._unsent, tuple(self._unsent_ids)
+            self._unsent, self._unsent_ids = [], []
+            self._stores.append((publishers, self.client.store_many(items)))
 
     def _publishable(self, state: _RequestState) -> StoreSpec | None:
         """The store of the R3 chunks whose KV is stored and whose rows are in: ``[published_end, end)``."""
@@ -472,6 +498,8 @@ class RoutedExpertsBook:
             return params
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._requests.pop(request.request_id, None)  # never published past what was complete; nothing to return
+            if self._stores_due():  # its complete chunks already read: sent now, whether or not a step follows
+                self._send_stores()
             return params
         params = {} if params is None else params
         self._finishing[request.request_id] = _Finishing(params, request.num_tokens)
@@ -517,7 +545,8 @@ class RoutedExpertsBook:
         self._publish_due.pop(request_id, None)
 
     def settle(self, timeout_s: float) -> None:
-        """Wait (bounded) for R3 stores in flight; for shutdown and tests."""
+        """Send the unsent R3 stores and wait (bounded) for those in flight; for shutdown and tests."""
+        self._send_stores()
         deadline = time.monotonic() + timeout_s
         while self._stores and time.monotonic() < deadline:
             self._reap_stores()

@@ -207,3 +207,94 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
         assert not book.fetch_pending(request)  # answered once; vLLM's next ask reuses it
     finally:
         client.close()
+
+
+def fetched_chunks(client: R3Client, tokens: list[int], expected: int, timeout_s: float = 5.0) -> int:
+    """Leading chunks of ``tokens`` with R3 on the server, once ``expected`` (or whatever it is after the bound)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (hit := client.fetch(tokens).result().num_hit_chunks) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return hit
+
+
+def continue_request(book: RoutedExpertsBook, request: Request, start: int, end: int, store_end: int = 0) -> None:
+    """One more engine step of ``request`` computing ``[start, end)`` (its KV store covering up to ``store_end``),
+    with its rows reported."""
+    if store_end:
+        book.on_store(request.request_id, start, store_end)
+    cached = CachedRequests([request.request_id], [None], set(), [start])
+    step = book.on_schedule(SchedulerOutput({request.request_id: end - start}, [], cached), 0)
+    request.num_computed_tokens = end
+    book.on_worker_output(worker_output(step, start, end))
+
+
+@pytest.fixture
+def batched_book(r3_server, request):
+    client = R3Client(r3_server.url, f"batched-{request.node.name}", PROFILE)
+    yield RoutedExpertsBook(PROFILE, CHUNK, BLOCK, num_blocks=64, client=client, fetch_timeout_s=5,
+                            store_batch_steps=getattr(request, "param", 100))  # fmt: skip
+    client.close()
+
+
+@pytest.mark.parametrize("batched_book", [2], indirect=True)
+def test_r3_of_a_running_request_goes_out_in_one_store_call_once_the_batch_steps_passed(batched_book, r3_server):
+    book = batched_book
+    request = Request("batched", list(range(9000, 9000 + 2 * CHUNK + 10)))
+    calls_before = r3_server.status()["lmcache_r3"]["store_calls"]
+    step = start_request(book, request, CHUNK, store_end=CHUNK)
+    request.num_computed_tokens = CHUNK
+    book.on_worker_output(worker_output(step, 0, CHUNK))  # chunk 0 complete: read, not sent
+    continue_request(book, request, CHUNK, 2 * CHUNK, store_end=2 * CHUNK)  # chunk 1: one step later
+    assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 0
+    assert r3_server.status()["lmcache_r3"]["store_calls"] == calls_before
+    continue_request(book, request, 2 * CHUNK, 2 * CHUNK + 5)  # two steps after chunk 0: both go out together
+    assert fetched_chunks(book.client, request.all_token_ids, 2) == 2
+    assert r3_server.status()["lmcache_r3"]["store_calls"] == calls_before + 1
+    objects = book.client.fetch(request.all_token_ids).result().objects
+    chunks = decode_run(objects, PROFILE, 0, CHUNK).chunks
+    np.testing.assert_array_equal(np.concatenate([chunk.rows for chunk in chunks]), rows(0, 2 * CHUNK))
+
+
+def test_a_finishing_requests_r3_goes_out_in_its_last_step(batched_book):
+    book = batched_book
+    request = Request("finishing", list(range(11000, 11000 + CHUNK + 6)))
+    step = start_request(book, request, CHUNK + 6, store_end=CHUNK)
+    request.num_computed_tokens = CHUNK + 6
+    book.on_worker_output(worker_output(step, 0, CHUNK + 6))
+    assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 0  # batched: 100 steps to go
+    request.status = "FINISHED_STOPPED"
+    book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())  # the step it finished in
+    assert fetched_chunks(book.client, request.all_token_ids, 1) == 1  # its next turn finds it at once
+
+
+def test_an_aborted_requests_complete_r3_goes_out_at_the_abort_without_another_step(batched_book):
+    from vllm.v1.request import RequestStatus
+
+    book = batched_book
+    request = Request("aborted", list(range(13000, 13000 + CHUNK + 20)))
+    book.begin_lookup(Request("still-waiting", list(range(17000, 17000 + 10))), 0)  # the engine keeps a request
+    step = start_request(book, request, CHUNK + 20, store_end=CHUNK)
+    request.num_computed_tokens = CHUNK + 20
+    book.on_worker_output(worker_output(step, 0, CHUNK + 20))
+    assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 0
+    request.status = RequestStatus.FINISHED_ABORTED
+    book.request_finished(request, None)  # an RL trainer aborting its batch: the engine may take no further step
+    assert fetched_chunks(book.client, request.all_token_ids, 1) == 1
+
+
+def test_batched_r3_is_what_the_request_computed_even_if_its_blocks_are_rewritten_before_the_send(batched_book):
+    book = batched_book
+    request = Request("rewritten", list(range(15000, 15000 + CHUNK + 3)))
+    step = start_request(book, request, CHUNK + 3, store_end=CHUNK)
+    request.num_computed_tokens = CHUNK + 3
+    book.on_worker_output(worker_output(step, 0, CHUNK + 3))  # chunk 0 read from the mirror now
+    # The request is preempted and another one computes into the same blocks before the batch is sent.
+    book.mirror.forget_blocks(BLOCKS)
+    book.mirror.write(slots(0, CHUNK), rows(0, CHUNK, salt=3))
+    book.settle(10)
+    assert fetched_chunks(book.client, request.all_token_ids, 1) == 1
+    (chunk,) = decode_run(book.client.fetch(request.all_token_ids).result().objects, PROFILE, 0, CHUNK).chunks
+    np.testing.assert_array_equal(chunk.rows, rows(0, CHUNK))

@@ -6,6 +6,7 @@ import pytest
 
 from lmcache_r3.mp.connector_config import (
     LAZY_OFFLOAD_KEY,
+    R3_STORE_BATCH_KEY,
     SEPARATE_GROUPS_KEY,
     TRANSFER_MODE_KEY,
     refuse_lazy_offload,
@@ -68,3 +69,36 @@ def test_lazy_offload_is_refused_where_lmcache_r3_cannot_serve_it(lazy, num_grou
     else:
         with pytest.raises(ValueError, match=refusal):
             refuse_lazy_offload(extra, groups(num_groups), routed_experts)
+
+
+@pytest.mark.parametrize(
+    ("file_value", "explicit", "expected"),
+    [
+        pytest.param(None, None, 8, id="default-eight-steps"),
+        pytest.param(0, None, 0, id="file-zero-sends-every-step"),
+        pytest.param(3, 5, 5, id="explicit-wins-over-the-file"),
+        pytest.param(None, -1, "must be an integer in \\[0, 1024\\]", id="negative-refused"),
+        pytest.param(None, 2.5, "got 2.5", id="fraction-refused"),
+        pytest.param(None, True, "got True", id="bool-refused"),
+    ],
+)
+def test_r3_store_batch_steps(tmp_path, file_value, explicit, expected):
+    extra = {}
+    if file_value is not None:
+        file = tmp_path / "c.yaml"
+        file.write_text(f"connector: {{r3_store_batch_steps: {file_value}}}\n")
+        extra["lmcache_r3.config_file"] = str(file)
+    if explicit is not None:
+        extra[R3_STORE_BATCH_KEY] = explicit
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=f"{R3_STORE_BATCH_KEY}.*{expected}"):
+            resolve_extra_config(extra, groups(1))
+    else:
+        assert resolve_extra_config(extra, groups(1))[R3_STORE_BATCH_KEY] == expected
+
+
+def test_a_bad_r3_store_batch_steps_in_the_file_names_the_field(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("connector: {r3_store_batch_steps: -2}\n")
+    with pytest.raises(ValueError, match="r3_store_batch_steps"):
+        resolve_extra_config({"lmcache_r3.config_file": str(file)}, groups(1))
