@@ -39,6 +39,15 @@ TIMERS = (
     ("engine_core.step", "engine core step (schedule + model + update)"),
     ("scheduler.schedule", "scheduler: `schedule`"),
     ("scheduler.update_from_output", "scheduler: `update_from_output`"),
+    ("connector.get_num_new_matched_tokens", "scheduler: connector `get_num_new_matched_tokens` (a lookup's ask)"),
+    ("routed.begin_lookup", "scheduler: of which R3 `begin_lookup`"),
+    ("routed.joint_hit_end", "scheduler: of which R3 `joint_hit_end`"),
+    ("connector.update_state_after_alloc", "scheduler: connector `update_state_after_alloc`"),
+    ("connector.build_connector_meta", "scheduler: connector `build_connector_meta` (inside `schedule`)"),
+    ("routed.on_schedule", "scheduler: of which R3 `on_schedule`"),
+    ("connector.update_connector_output", "scheduler: connector `update_connector_output`"),
+    ("routed.on_worker_output", "scheduler: of which R3 `on_worker_output`"),
+    ("connector.request_finished", "scheduler: connector `request_finished`"),
     ("worker.execute_model", "worker: `execute_model`"),
     ("worker.model_forward", "worker: the model's forward pass (inside `execute_model`)"),
     ("capturer.capture", "worker: one router's capture call (inside the forward pass; one per MoE layer a step)"),
@@ -76,6 +85,7 @@ def engine_rounds(rounds: int, workdir: Path, shape: str, conversations: int) ->
         result[("cpu_roles", routed)] = {  # CPU seconds per round, by role
             name: sum(session["cpu_roles"][routed][name] for session in sessions) / rounds_run for name in ROLES
         }
+    result["r3_server_s"] = sum(s["r3_server_s"] for s in sessions) / sum(s["rounds_with_warmup"] for s in sessions)
     result["probe"] = step_timers([session["probe_dir"] for session in sessions])
     return result
 
@@ -185,6 +195,8 @@ def main():
                     cpu[routed].append(sum(spent_cpu.values()))
                     for name, seconds in spent_cpu.items():
                         cpu_roles[routed][name] += seconds
+        r3_module = server.status().get("lmcache_r3", {{}})  # R3 handlers' server time, every round (warm-up too)
+        r3_server_s = 1e-6 * (r3_module.get("store_handler_us", 0) + r3_module.get("read_handler_us", 0))
     finally:
         for llm in engines.values():
             llm.llm_engine.engine_core.shutdown()
@@ -192,7 +204,8 @@ def main():
     Path({str(out)!r}).write_text(json.dumps({{"wall": {{str(k): v for k, v in times.items()}},
                                                "cpu": {{str(k): v for k, v in cpu.items()}},
                                                "cpu_roles": {{str(k): v for k, v in cpu_roles.items()}},
-                                               "cached": {{str(k): sorted(v) for k, v in cached.items()}}}}))
+                                               "cached": {{str(k): sorted(v) for k, v in cached.items()}},
+                                               "r3_server_s": r3_server_s, "rounds_with_warmup": {rounds} + 1}}))
 if __name__ == "__main__":
     main()
 """
@@ -210,6 +223,8 @@ if __name__ == "__main__":
     }
     result["cpu_roles"] = {routed: measured["cpu_roles"][str(routed)] for routed in (False, True)}
     result["rounds"] = len(measured["wall"]["False"])
+    result["r3_server_s"] = measured["r3_server_s"]
+    result["rounds_with_warmup"] = measured["rounds_with_warmup"]
     result["probe_dir"] = probe_dir
     return result
 
@@ -323,6 +338,10 @@ def _total(calls: int, total: float) -> float:
     return total
 
 
+def _calls(calls: int, total: float) -> float:
+    return calls
+
+
 COUNTERS = (
     ("scheduler.scheduled_tokens", "tokens scheduled per engine step", "{:.1f}", _per_call),
     ("scheduler.idle_steps", "engine steps that scheduled nothing", "{:.0f}", _total),
@@ -332,6 +351,14 @@ COUNTERS = (
      _ms_per_call),
     ("lookup.seconds.short", "the same, requests that do not (ms)", "{:.1f}", _ms_per_call),
     ("lookup.asks", "vLLM's asks per lookup (one per engine step until it answers)", "{:.2f}", _per_call),
+    ("lookup.r3_late", "asks answered by LMCache's KV lookup but not yet by the R3 fetch (one more step each)",
+     "{:.0f}", _total),
+    ("lookup.phase.unacked", "of all asks: the server had not yet acknowledged LMCache's KV LOOKUP", "{:.0f}", _total),
+    ("lookup.phase.status", "of all asks: LMCache's query of the KV lookup's result was still out", "{:.0f}", _total),
+    ("r3.store_many", "R3 store calls to the LMCache server", "{:.0f}", _calls),
+    ("r3.store_many", "requests per R3 store call", "{:.1f}", _per_call),
+    ("r3.fetch_many", "R3 fetch calls to the LMCache server", "{:.0f}", _calls),
+    ("r3.fetch_many", "requests per R3 fetch call", "{:.1f}", _per_call),
 )  # fmt: skip
 """Counters of ``probe/sitecustomize.py``: name, label, format, value from ``(calls, total)``."""
 
@@ -357,13 +384,39 @@ def counter_rows(probe: dict[tuple[str, bool], tuple[int, float]]) -> list[str]:
     rows = []
     for name, label, fmt, value in COUNTERS:
         off, on = (probe.get((name, routed)) for routed in (False, True))
-        if off is None or on is None or not off[0] or not on[0]:
+        if on is None or not on[0]:
             continue
-        rows.append(f"| {label} | {fmt.format(value(*off))} | {fmt.format(value(*on))} |")
+        shown_off = fmt.format(value(*off)) if off is not None and off[0] else "-"  # e.g. R3's own waits
+        rows.append(f"| {label} | {shown_off} | {fmt.format(value(*on))} |")
     steps = [probe.get(("engine_core.step", routed), (0, 0.0))[0] for routed in (False, True)]
     if all(steps):
         rows.append(f"| engine steps | {steps[0]} | {steps[1]} |")
     return rows
+
+
+def lookup_wait_lines(probe: dict[tuple[str, bool], tuple[int, float]]) -> list[str]:
+    """Where the extra asks of R3-on lookups went: R3 fetches answering late, or LMCache's own KV lookup."""
+    asks = {routed: probe.get(("lookup.asks", routed), (0, 0.0))[1] for routed in (False, True)}
+    late = probe.get(("lookup.r3_late", True), (0, 0.0))[1]
+    kv = {
+        routed: sum(probe.get((f"lookup.phase.{phase}", routed), (0, 0.0))[1] for phase in ("unacked", "status"))
+        for routed in (False, True)
+    }
+    if not all(asks.values()):
+        return []
+    return [
+        f"vLLM asked {asks[False]:.0f} times in all for the lookups of the R3-off engine and {asks[True]:.0f} times "
+        f"for those of the R3-on engine. {late:.0f} of the R3-on asks found LMCache's KV answer in but the R3 fetch "
+        f"still out; the asks made while LMCache's own KV lookup was still out (before the server acknowledged its "
+        f"LOOKUP, then while the query of its result was out) went from {kv[False]:.0f} to {kv[True]:.0f}"
+        + (
+            ": with R3 on, the KV lookups themselves answer later (the LMCache server, the engine core and the R3 "
+            "calls share core 0 here)."
+            if kv[True] > kv[False]
+            else "."
+        ),
+        "",
+    ]
 
 
 def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str]:
@@ -411,6 +464,7 @@ def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str
         "| --- | --- | --- |",
         *counter_rows(rounds_of["probe"]),
         "",
+        *lookup_wait_lines(rounds_of["probe"]),
         "CPU time of the same generate calls (every process: both engines, their workers, the LMCache server):",
         "",
         "| routed experts | CPU seconds per round | median | on / off |",
@@ -427,6 +481,10 @@ def end_to_end(shape_name: str, conversations: int, rounds_of: dict) -> list[str
             f"{rounds_of[('cpu_roles', True)][name] - rounds_of[('cpu_roles', False)][name]:+.3f} |"
             for name in ROLES
         ),
+        "",
+        f"Of the LMCache server's time, its R3 handlers (store, lookup and fetch of R3 objects; `*_handler_us` in "
+        f"`/status`) ran {1e3 * rounds_of['r3_server_s']:.1f} ms per R3-on round (wall time on its worker threads, "
+        f"warm-up rounds included).",
         "",
     ]
 
@@ -486,8 +544,9 @@ def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) 
         "| --- | --- | --- |",
         f"| {book['step_ms']:.2f} ms | {book['r3_ms']:.2f} ms | **{100 * book['fraction']:.1f}%** |",
         "",
-        "R3 calls to the LMCache server in that run (each engine step sends one store and one fetch call at most, "
-        "whatever the number of requests in it): "
+        "R3 calls to the LMCache server in that run (each engine step sends one fetch call at most, whatever the "
+        "number of requests in it, and R3 stores wait up to `r3_store_batch_steps`, 8 steps, to go out in one call "
+        "with later ones): "
         + ", ".join(
             f"`{name}` {calls} calls for {items} requests" for name, (calls, items) in book["server_calls"].items()
         )

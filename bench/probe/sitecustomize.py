@@ -3,10 +3,11 @@
 ``bench_routed.py`` puts this directory on ``PYTHONPATH`` of the engines it starts and sets
 ``LMCACHE_R3_BENCH_PROBE_DIR``. Every process then wraps, as the modules are imported, ``EngineCore.step``,
 ``Scheduler.schedule`` / ``update_from_output``, ``GPUModelRunner.execute_model`` / ``_model_forward``, the
-routers' capture call (lmcache_r3's capturer) and the worker side of lmcache_r3's connector with a timer, counts
-the tokens and idle steps ``schedule`` returns and times each request's lookup from vLLM's first ask to the
-answer, and writes ``{name: [calls, total]}`` to ``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second,
-and at exit). ``on`` / ``off``: whether the process's connector has routed experts on.
+routers' capture call (lmcache_r3's capturer), both sides of lmcache_r3's connector and its routed-experts
+bookkeeping with a timer, counts the tokens and idle steps ``schedule`` returns and the R3 calls the scheduler
+sends, times each request's lookup from vLLM's first ask to the answer, and writes ``{name: [calls, total]}`` to
+``<dir>/<role>-<on|off>-<pid>.json`` (at most twice a second, and at exit). ``on`` / ``off``: whether the
+process's connector has routed experts on.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def _worker_label(_runner) -> str:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return "worker-" + ("on" if getattr(get_kv_transfer_group(), "r3_capture", None) is not None else "off")
+
+
+def _core_label(connector) -> str:
+    return "core-" + ("on" if getattr(connector, "routed", None) is not None else "off")
+
+
+def _routed(module) -> None:
+    for method in ("on_schedule", "on_worker_output", "begin_lookup", "joint_hit_end"):
+        _time(module.RoutedExpertsBook, method, f"routed.{method}", lambda _book: "core-on")
 
 
 def _count(counter: str, calls: int, total: float) -> None:
@@ -109,12 +119,22 @@ def _connector(module) -> None:
     def lookup(self, request, num_computed_tokens):
         """``lookup.seconds.chunked`` / ``.short``: [lookups, seconds from the first ask to the answer] of requests
         that span a full LMCache chunk past vLLM's own hit (only those fetch R3) and of the others;
-        ``lookup.asks``: [lookups, asks] (vLLM asks every step until LMCache's asynchronous KV lookup has answered;
-        the R3 fetch never makes an ask wait for the next step: the answering ask waits for it). A request asked
-        again after its lookup answered (vLLM could not allocate it) counts as a new lookup of one ask."""
+        ``lookup.asks``: [lookups, asks] (vLLM asks every step until LMCache's asynchronous KV lookup has answered
+        and, with routed experts on, the R3 fetch too); ``lookup.r3_late``: [asks, asks] at which LMCache's KV
+        lookup had answered but the R3 fetch had not; ``lookup.phase.unacked`` / ``.status``: [asks, asks] made
+        while the server had not acknowledged LMCache's LOOKUP yet / while LMCache's query of its result was out
+        (read from LMCache 0.5.6's scheduler adapter). A request asked again after its lookup answered (vLLM could
+        not allocate it) counts as a new lookup of one ask."""
         first = asked.setdefault(request.request_id, [time.perf_counter(), 0])
         first[1] += 1
+        adapter = self.scheduler_adapter
+        if request.request_id in getattr(adapter, "_unacked_lookups", ()):
+            _count("lookup.phase.unacked", 1, 1)
+        elif request.request_id in getattr(adapter, "_lookup_status", ()):
+            _count("lookup.phase.status", 1, 1)
         result = original(self, request, num_computed_tokens)
+        if request.request_id in getattr(self, "_awaiting_r3", ()):
+            _count("lookup.r3_late", 1, 1)
         if result[0] is not None:
             del asked[request.request_id]
             _count("lookup.asks", 1, first[1])
@@ -124,8 +144,23 @@ def _connector(module) -> None:
         return result
 
     connector.get_num_new_matched_tokens = lookup
+    _time(connector, "get_num_new_matched_tokens", "connector.get_num_new_matched_tokens", _core_label)
+    for method in ("build_connector_meta", "update_connector_output", "update_state_after_alloc", "request_finished"):
+        _time(connector, method, f"connector.{method}", _core_label)
     for method in ("start_load_kv", "wait_for_save", "build_connector_worker_meta", "_collect_routed_experts"):
         _time(connector, method, f"connector.{method}", _worker_label)
+
+
+def _r3_client(module) -> None:
+    """``r3.store_many`` / ``r3.fetch_many``: [calls, requests in them] the scheduler sent to the LMCache server."""
+    for method in ("store_many", "fetch_many"):
+        original = getattr(module.R3Client, method)
+
+        def counted(self, items, _original=original, _counter=f"r3.{method}"):
+            _count(_counter, 1, len(items))
+            return _original(self, items)
+
+        setattr(module.R3Client, method, counted)
 
 
 def _capture(module) -> None:
@@ -143,6 +178,8 @@ def _capture(module) -> None:
 _PATCHES = {
     "lmcache_r3.mp.capture": _capture,
     "lmcache_r3.mp.connector": _connector,
+    "lmcache_r3.mp.r3_client": _r3_client,
+    "lmcache_r3.mp.routed": _routed,
     "vllm.v1.engine.core": _engine_core,
     "vllm.v1.core.sched.scheduler": _scheduler,
     "vllm.v1.worker.gpu_model_runner": _model_runner,
