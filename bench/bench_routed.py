@@ -309,6 +309,7 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
                 "r3_ms": statistics.median(r3_times[i] for i in busy) * 1e3,
                 "fraction": sum(r3_times[i] for i in busy) / sum(step_times[i] for i in busy),
                 "server_calls": server_calls,
+                "store_batch_steps": book.store_batch_steps,
             }
         finally:
             harness.shutdown()
@@ -545,8 +546,8 @@ def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) 
         f"| {book['step_ms']:.2f} ms | {book['r3_ms']:.2f} ms | **{100 * book['fraction']:.1f}%** |",
         "",
         "R3 calls to the LMCache server in that run (each engine step sends one fetch call at most, whatever the "
-        "number of requests in it, and R3 stores wait up to `r3_store_batch_steps`, 8 steps, to go out in one call "
-        "with later ones): "
+        f"number of requests in it, and R3 stores wait up to `r3_store_batch_steps`, {book['store_batch_steps']} "
+        "steps, to go out in one call with later ones): "
         + ", ".join(
             f"`{name}` {calls} calls for {items} requests" for name, (calls, items) in book["server_calls"].items()
         )

@@ -29,6 +29,7 @@ CONFIG_EXTRA_KEY = "lmcache_r3.config_file"
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+MAX_R3_STORE_BATCH_STEPS = 1024
 
 
 class ConfigError(ValueError):
@@ -88,7 +89,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Bound on any one KV request to the server before the connector gives up and recomputes."""
     r3_timeout_s: PositiveSeconds = 5.0
     """Bound on an R3 lookup, store or fetch; past it the R3 hit counts as a miss."""
-    r3_store_batch_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
+    r3_store_batch_steps: Annotated[int, msgspec.Meta(ge=0, le=MAX_R3_STORE_BATCH_STEPS)] = 8
     """Engine steps the R3 of running requests may wait to be sent in one store call with later ones (0: every step
     sends its own). A request's R3 is sent no later than the step it ends in."""
     save_decode_cache: bool = False

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from lmcache_r3.artifacts import R3Profile
-from lmcache_r3.config import load_connector_config, stock_connector_extra_config
+from lmcache_r3.config import MAX_R3_STORE_BATCH_STEPS, load_connector_config, stock_connector_extra_config
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,10 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
     merged.setdefault(R3_STORE_BATCH_KEY, config.connector.r3_store_batch_steps)
     batch_steps = merged[R3_STORE_BATCH_KEY]
-    if type(batch_steps) is not int or not 0 <= batch_steps <= 1024:
+    if type(batch_steps) is not int or not 0 <= batch_steps <= MAX_R3_STORE_BATCH_STEPS:
         raise ValueError(
-            f"{R3_STORE_BATCH_KEY} must be an integer in [0, 1024] (engine steps the R3 of running requests may wait "
-            f"to be sent in one store call; 0 sends it every step), got {batch_steps!r}"
+            f"{R3_STORE_BATCH_KEY} must be an integer in [0, {MAX_R3_STORE_BATCH_STEPS}] (engine steps the R3 of "
+            f"running requests may wait to be sent in one store call; 0 sends it every step), got {batch_steps!r}"
         )
     return merged
 

@@ -434,10 +434,10 @@ class RoutedExpertsBook:
 
     def _stores_due(self) -> bool:
         """Whether the unsent R3 stores go out now: the oldest waited ``store_batch_steps`` reported steps, or one
-        belongs to a request that ended (its next turn may look it up at once), or no request is left."""
+        belongs to a request that ended (finishing, or aborted: its next turn may look it up at once)."""
         if not self._unsent:
             return False
-        if self._reported - self._unsent_since >= self.store_batch_steps or not self._requests:
+        if self._reported - self._unsent_since >= self.store_batch_steps:
             return True
         return any(request_id in self._finishing or request_id not in self._requests for request_id in self._unsent_ids)
 

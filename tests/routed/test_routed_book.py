@@ -14,6 +14,7 @@ from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
+from tests.support.harness import wait_for
 
 pytestmark = pytest.mark.server
 
@@ -209,14 +210,9 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
         client.close()
 
 
-def fetched_chunks(client: R3Client, tokens: list[int], expected: int, timeout_s: float = 5.0) -> int:
-    """Leading chunks of ``tokens`` with R3 on the server, once ``expected`` (or whatever it is after the bound)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while (hit := client.fetch(tokens).result().num_hit_chunks) != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return hit
+def fetched_chunks(client: R3Client, tokens: list[int], expected: int) -> int:
+    """Leading chunks of ``tokens`` with R3 on the server, once ``expected`` (or whatever it is after 5 s)."""
+    return wait_for(lambda: client.fetch(tokens).result().num_hit_chunks, expected, 5.0)
 
 
 def continue_request(book: RoutedExpertsBook, request: Request, start: int, end: int, store_end: int = 0) -> None:
