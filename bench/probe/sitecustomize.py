@@ -175,7 +175,14 @@ def _capture(module) -> None:
     module._capturer_class = build_timed
 
 
+def _kv_transfer(module) -> None:
+    """LMCache's KV copies on the CPU: synchronous on the worker, each with round trips to the LMCache server."""
+    for method in ("submit_store", "submit_retrieve"):
+        _time(module.EngineDrivenTransferContext, method, f"kv.{method}", _worker_label)
+
+
 _PATCHES = {
+    "lmcache.v1.multiprocess.transfer_context.worker_transfer": _kv_transfer,
     "lmcache_r3.mp.capture": _capture,
     "lmcache_r3.mp.connector": _connector,
     "lmcache_r3.mp.r3_client": _r3_client,

@@ -53,16 +53,7 @@ _HEADER = struct.Struct("<4sHHIIIB3xQQQQQ")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 _PREFIX = struct.Struct("<4sHH")
 _CHECKED_NBYTES = _HEADER.size
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "S4"), ("format_version", "<u2"), ("header_nbytes", "<u2"), ("num_layers", "<u4"),
-        ("top_k", "<u4"), ("num_experts", "<u4"), ("dtype_code", "u1"), ("reserved", "V3"),
-        ("profile_id", "<u8"), ("token_start", "<u8"), ("token_end", "<u8"), ("payload_nbytes", "<u8"),
-        ("payload_checksum", "<u8"), ("header_checksum", "<u8"),
-    ]
-)  # fmt: skip
-"""The same header as a numpy record, for checking many objects of a run at once."""
-assert _CHECKED_NBYTES + _HEADER_CHECKSUM.size == HEADER_NBYTES == HEADER_DTYPE.itemsize
+assert _CHECKED_NBYTES + _HEADER_CHECKSUM.size == HEADER_NBYTES
 _checksum = xxhash.xxh3_64_intdigest
 
 

@@ -7,12 +7,14 @@ so a reader splits a run without parsing it, and a storage server can treat each
 
 Each object is exactly what :func:`~lmcache_r3.artifacts.codec.encode_chunk` writes and
 :func:`~lmcache_r3.artifacts.codec.decode_chunk` accepts; a run only batches the work. Encoding copies each payload
-once (into the run). Decoding checks the headers of all objects at once and keeps the longest valid *prefix*: a
-chunk after a damaged one is useless to a prefix cache, so the caller shrinks its hit to that prefix instead of
-failing the request.
+once (into the run). Decoding compares each object's header with the one its position requires and keeps the
+longest valid *prefix*: a chunk after a damaged one is useless to a prefix cache, so the caller shrinks its hit to
+that prefix instead of failing the request.
 """
 
 from __future__ import annotations
+
+import struct
 
 import msgspec
 import numpy as np
@@ -22,7 +24,6 @@ from lmcache_r3.artifacts.codec import (
     _HEADER,
     _HEADER_CHECKSUM,
     FORMAT_VERSION,
-    HEADER_DTYPE,
     HEADER_NBYTES,
     MAGIC,
     R3Chunk,
@@ -33,6 +34,11 @@ from lmcache_r3.artifacts.codec import (
     encoded_nbytes,
 )
 from lmcache_r3.artifacts.profile import R3Profile
+
+_PAYLOAD_CHECKSUM_AT = _CHECKED_NBYTES - _HEADER_CHECKSUM.size
+_CHECKSUMS = struct.Struct("<QQ")
+"""The payload checksum (the last field of the checked header), then the header checksum (the header's end)."""
+assert _PAYLOAD_CHECKSUM_AT + _CHECKSUMS.size == HEADER_NBYTES
 
 
 class RunDecode(msgspec.Struct, frozen=True):
@@ -77,32 +83,19 @@ def encode_run(profile: R3Profile, token_start: int, rows: np.ndarray, chunk_siz
     parts: list[bytes | np.ndarray] = []
     for offset in range(0, rows.shape[0], chunk_size):
         chunk = rows[offset : offset + chunk_size]
-        start = token_start + offset
-        checked = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, HEADER_NBYTES, *shape_fields, start, start + chunk_size, payload_nbytes,
-            _checksum(chunk),
-        )  # fmt: skip
+        checked = _checked_header(shape_fields, token_start + offset, chunk_size, payload_nbytes, _checksum(chunk))
         parts += (checked, _HEADER_CHECKSUM.pack(_checksum(checked)), chunk)
     return b"".join(parts)
 
 
-def _valid_headers(headers: np.ndarray, profile: R3Profile, token_start: int, chunk_size: int) -> np.ndarray:
-    """Per object: every header field is what the run position requires (checksums are checked separately)."""
-    num_layers, top_k, num_experts, dtype_code, profile_id = profile.header_fields
-    starts = token_start + chunk_size * np.arange(headers.shape[0], dtype=np.uint64)
-    return (
-        (headers["magic"] == MAGIC)
-        & (headers["format_version"] == FORMAT_VERSION)
-        & (headers["header_nbytes"] == HEADER_NBYTES)
-        & (headers["num_layers"] == num_layers)
-        & (headers["top_k"] == top_k)
-        & (headers["num_experts"] == num_experts)
-        & (headers["dtype_code"] == dtype_code)
-        & (headers["profile_id"] == np.uint64(profile_id))
-        & (headers["token_start"] == starts)
-        & (headers["token_end"] == starts + np.uint64(chunk_size))
-        & (headers["payload_nbytes"] == np.uint64(chunk_size * profile.bytes_per_token))
-    )
+def _checked_header(
+    shape_fields: tuple[int, ...], start: int, chunk_size: int, payload_nbytes: int, payload_checksum: int
+) -> bytes:
+    """The header bytes a chunk object at ``start`` must hold, up to (not including) its header checksum."""
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, HEADER_NBYTES, *shape_fields, start, start + chunk_size, payload_nbytes,
+        payload_checksum,
+    )  # fmt: skip
 
 
 def decode_run(
@@ -125,24 +118,26 @@ def decode_run(
     num_whole = len(view) // object_nbytes
     if num_whole == 0:
         return _refuse_from(view, [], profile, token_start, chunk_size)
-    headers = np.ndarray((num_whole,), HEADER_DTYPE, view, 0, (object_nbytes,))
-    header_ok = _valid_headers(headers, profile, token_start, chunk_size)
-    stored_header = headers["header_checksum"].tolist()
-    stored_payload = headers["payload_checksum"].tolist()
     rows = np.ndarray(
         (num_whole, chunk_size, *profile.row_shape), profile.dtype, view, HEADER_NBYTES,
         (object_nbytes, profile.bytes_per_token, profile.top_k * profile.dtype.itemsize, profile.dtype.itemsize),
     )  # fmt: skip
+    shape_fields = profile.header_fields
+    payload_nbytes = chunk_size * profile.bytes_per_token
     chunks: list[R3Chunk] = []
     for index in range(num_whole):
+        # An object is valid when its header is, byte for byte, the one this position and profile require (its
+        # payload checksum as stored), both checksums match, and so does the payload's.
         offset = index * object_nbytes
+        start = token_start + index * chunk_size
+        payload_checksum, header_checksum = _CHECKSUMS.unpack_from(view, offset + _PAYLOAD_CHECKSUM_AT)
+        expected = _checked_header(shape_fields, start, chunk_size, payload_nbytes, payload_checksum)
         if not (
-            header_ok[index]
-            and _checksum(view[offset : offset + _CHECKED_NBYTES]) == stored_header[index]
-            and _checksum(view[offset + HEADER_NBYTES : offset + object_nbytes]) == stored_payload[index]
+            view[offset : offset + _CHECKED_NBYTES].tobytes() == expected
+            and _checksum(expected) == header_checksum
+            and _checksum(view[offset + HEADER_NBYTES : offset + object_nbytes]) == payload_checksum
         ):
             break
-        start = token_start + index * chunk_size
         chunks.append(R3Chunk(start, start + chunk_size, rows[index]))
     return _refuse_from(view, chunks, profile, token_start, chunk_size)
 

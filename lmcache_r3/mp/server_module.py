@@ -290,15 +290,7 @@ class R3ServerModule:
             return [(0, b"") for _ in ranges]
         object_nbytes = encoded_nbytes(profile, self.chunk_size)
         storage = self._ctx.storage_manager
-        spec = PrefetchTaskSpec(
-            key_groups=[
-                GroupedObjectKeys(keys=unique, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
-            ],
-            num_kv_readers=1,
-            fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
-        )
-        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
-        result = self._wait_prefetch(handle, unique)
+        result = self._lock_present(unique, object_nbytes)
         if result is None:
             return [(0, b"") for _ in ranges]
         locked = [unique[i] for i in result.hit_cells[0].get_indices_list()]  # one read lock each, until released
@@ -321,6 +313,36 @@ class R3ServerModule:
             self._verified(run, keys, chunk_range, profile, object_nbytes, keep_bytes)
             for run, keys, chunk_range in zip(runs, range_keys, ranges, strict=True)
         ]
+
+    def _lock_present(self, keys: list[ObjectKey], object_nbytes: int) -> Any:
+        """One read lock on each of ``keys`` present in L1 or in an L2 tier (brought into L1); the prefetch result
+        naming them, or None when the tiers did not answer in time.
+
+        With L2 tiers, L1 is asked first, on this thread: when it holds every key (hot R3), no task goes through
+        LMCache's prefetch thread and the tiers are not asked. Otherwise its locks are released and one prefetch
+        asks L1 and the tiers together.
+        """
+        storage = self._ctx.storage_manager
+        spec = PrefetchTaskSpec(
+            key_groups=[
+                GroupedObjectKeys(keys=keys, object_group_id=R3_OBJECT_GROUP, layout_desc=_layout(object_nbytes))
+            ],
+            num_kv_readers=1,
+            fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
+        )
+        if storage.l2_adapters():
+            handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3", skip_l2=True)
+            in_l1 = storage.query_prefetch_status(handle)  # answered before submit returned (L1 only)
+            if in_l1 is not None:
+                locked = in_l1.hit_cells[0].get_indices_list()
+                if len(locked) == len(keys):
+                    return in_l1
+                if locked:
+                    storage.finish_read_prefetched(
+                        [keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners
+                    )
+        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
+        return self._wait_prefetch(handle, keys)
 
     def _verified(
         self, run: bytes, keys: list[ObjectKey], chunk_range: protocol.ChunkRange, profile: R3Profile,

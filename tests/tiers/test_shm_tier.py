@@ -17,6 +17,7 @@ from lmcache_r3.launch import ServiceStartError
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
+from tests.support.harness import wait_for
 from tests.support.l2_tasks import CallerBuffer, completed, object_key
 
 pytestmark = pytest.mark.server
@@ -121,6 +122,32 @@ def test_r3_objects_come_back_byte_equal_from_the_tier_and_again_after_a_restart
         assert tier_status(again)["hits"] >= 3
     finally:
         again.stop()
+
+
+def test_r3_partly_in_l1_partly_in_the_tier_comes_back_whole_and_no_lock_is_left(r3_server_factory, shm_root):
+    """A fetch asks L1 first when tiers are configured; when L1 holds only some of the chunks, the locks it took are
+    released and one prefetch reads all of them from L1 and the tier."""
+    tokens, rows = tokens_for(203, 3 * CHUNK), rows_for(203, 3 * CHUNK)
+    server = start(r3_server_factory, shm_root)
+
+    def read_locks() -> int:
+        return server.l1_counts()["read_locked_count"]
+
+    with R3Client(server.url, MODEL, PROFILE) as r3:
+        assert store_rows(r3, tokens, rows).num_stored == 3
+        wait_for_files(shm_root, 3)
+        assert wait_for(read_locks, 0, 10.0) == 0  # the tier's stores are done with the L1 objects
+        hits, fetched = fetch_rows(r3, tokens)  # all three in L1
+        assert hits == 3 and np.array_equal(fetched, rows)
+        assert read_locks() == 0
+        clear_l1(server)
+        assert store_rows(r3, tokens[:CHUNK], rows[:CHUNK]).num_stored == 1  # the first chunk in L1 again
+        assert server.l1_counts()["total_object_count"] == 1
+
+        hits, fetched = fetch_rows(r3, tokens)  # one chunk in L1, two only in the tier
+
+        assert hits == 3 and np.array_equal(fetched, rows)
+        assert read_locks() == 0
 
 
 def test_a_damaged_object_in_the_tier_is_never_served_and_is_removed(r3_server_factory, shm_root):

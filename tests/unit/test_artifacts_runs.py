@@ -70,6 +70,8 @@ def flipped(data: bytes, byte: int) -> bytes:
     [
         (flipped(RUN, 2 * OBJECT + 500), 2, PayloadChecksumError),
         (flipped(RUN, 1 * OBJECT + 40), 1, HeaderChecksumError),
+        (flipped(RUN, 1 * OBJECT + 66), 1, HeaderChecksumError),
+        (flipped(RUN, 2 * OBJECT + 58), 2, HeaderChecksumError),
         (flipped(RUN, 0 * OBJECT + 100), 0, PayloadChecksumError),
         (RUN[: 3 * OBJECT + 10], 3, TruncatedHeaderError),
         (RUN[:-1], 3, PayloadLengthError),
@@ -77,7 +79,8 @@ def flipped(data: bytes, byte: int) -> bytes:
         (RUN[OBJECT:], 0, TokenRangeError),
         (RUN[:OBJECT] + encode_run(R3Profile(6, 4, 301), 48, ROWS[:CHUNK], CHUNK), 1, ProfileMismatchError),
     ],
-    ids=["payload-of-3rd", "header-of-2nd", "payload-of-1st", "cut-in-4th-header", "cut-in-last-payload",
+    ids=["payload-of-3rd", "header-of-2nd", "stored-header-checksum-of-2nd", "stored-payload-checksum-of-3rd",
+         "payload-of-1st", "cut-in-4th-header", "cut-in-last-payload",
          "extra-chunk-for-another-range", "first-chunk-missing", "other-profile-2nd"],
 )  # fmt: skip
 def test_a_bad_object_keeps_the_chunks_before_it_and_names_its_error(data, kept, error):
