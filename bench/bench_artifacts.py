@@ -72,13 +72,17 @@ def fastest_memcpy(src: np.ndarray, inner: int, repeats: int) -> float:
 
 
 def codec_rows(quick: bool) -> list[str]:
-    """Encode + decode against memcpy: one cache-hot chunk, a whole request as one run, one large chunk."""
+    """Encode + decode against memcpy: one cache-hot chunk, a hit of a few chunks and a whole request as one run,
+    one large chunk."""
     rng = np.random.default_rng(0)
     repeats = 5 if quick else 15
     request = rng.integers(0, PROFILE.num_experts, (REQUEST_TOKENS, *PROFILE.row_shape)).astype(PROFILE.dtype)
     hot = request[:CHUNK_TOKENS]
     hot_object = encode_chunk(PROFILE, 0, hot)
     run = encode_run(PROFILE, 0, request, CHUNK_TOKENS)
+    few = request[: 4 * CHUNK_TOKENS]
+    few_run = encode_run(PROFILE, 0, few, CHUNK_TOKENS)
+    few_starts = range(0, few.shape[0], CHUNK_TOKENS)
     big = request[:4096]
     big_object = encode_chunk(PROFILE, 0, big)
     assert len(decode_run(run, PROFILE, 0, CHUNK_TOKENS).chunks) == REQUEST_TOKENS // CHUNK_TOKENS
@@ -94,6 +98,13 @@ def codec_rows(quick: bool) -> list[str]:
             lambda: encode_chunk(PROFILE, 0, hot),
             lambda: decode_chunk(hot_object, PROFILE),
             lambda: encode_header(PROFILE, 0, hot),
+        ),
+        (
+            f"a hit of 4 chunks ({few.nbytes >> 10} KiB) as one run: `encode_run` + `decode_run`",
+            few, 500,
+            lambda: encode_run(PROFILE, 0, few, CHUNK_TOKENS),
+            lambda: decode_run(few_run, PROFILE, 0, CHUNK_TOKENS),
+            lambda: [encode_header(PROFILE, start, few[start : start + CHUNK_TOKENS]) for start in few_starts],
         ),
         (
             f"{REQUEST_TOKENS // 1024}k-token request ({request.nbytes >> 20} MiB) as one run of "

@@ -14,6 +14,7 @@ count-only lookup followed by a fetch against a fetch alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -37,11 +38,13 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
 from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
-from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm
+from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm, free_port
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.server_process import loopback_settings, r3_server_module_spec, start_server
+from lmcache_r3.tiers.plugins import l2_adapter_spec
 
 SECTION = "## R3 in the LMCache MP server"
+HOT_REQUESTS = 8
 CHUNK = 256
 BLOCK = 64
 MODEL = "bench-model"
@@ -140,14 +143,20 @@ def lookup_vs_fetch(r3: R3Client, tokens, repeats: int) -> tuple[float, float]:
     return statistics.median(lookups), statistics.median(fetches)
 
 
-def fetch_many_vs_fetches(r3: R3Client, profile: R3Profile, requests: int, repeats: int) -> tuple[float, float]:
-    """One engine step's R3 fetch for ``requests`` requests of one stored chunk each, as the connector sends it (one
-    ``fetch_many`` call), against one ``fetch`` call per request; medians of ``repeats``."""
-    rng = np.random.default_rng(requests)
+def stored_chunks(r3: R3Client, profile: R3Profile, requests: int, seed: int) -> list[list[int]]:
+    """The prompts of ``requests`` requests of one chunk each, their R3 stored."""
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 50000, size=CHUNK).tolist() for _ in range(requests)]
     for tokens in prompts:
         rows = rng.integers(0, profile.num_experts, size=(CHUNK, *profile.row_shape)).astype(profile.dtype)
         r3.store(tokens, 0, encode_run(profile, 0, rows, CHUNK)).result()
+    return prompts
+
+
+def fetch_many_vs_fetches(r3: R3Client, profile: R3Profile, requests: int, repeats: int) -> tuple[float, float]:
+    """One engine step's R3 fetch for ``requests`` requests of one stored chunk each, as the connector sends it (one
+    ``fetch_many`` call), against one ``fetch`` call per request; medians of ``repeats``."""
+    prompts = stored_chunks(r3, profile, requests, seed=requests)
     items = [(tokens, 0, CHUNK, "") for tokens in prompts]
     many, single = [], []
     for _ in range(repeats):
@@ -160,6 +169,36 @@ def fetch_many_vs_fetches(r3: R3Client, profile: R3Profile, requests: int, repea
             r3.fetch(tokens).result()
         single.append(time.perf_counter() - started)
     return statistics.median(many), statistics.median(single)
+
+
+def hot_fetch_many(server, r3: R3Client, profile: R3Profile, requests: int, repeats: int) -> tuple[float, float]:
+    """One ``fetch_many`` of ``requests`` requests of one chunk each, all in L1: median round trip and the server's
+    R3 handler time per call (``read_handler_us`` in ``/status``)."""
+    items = [(tokens, 0, CHUNK, "") for tokens in stored_chunks(r3, profile, requests, seed=1000 + requests)]
+    r3.fetch_many(items).result()  # warm-up
+    handler_us = server.status()["lmcache_r3"]["read_handler_us"]
+    trips = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        results = r3.fetch_many(items).result().results
+        trips.append(time.perf_counter() - started)
+        assert all(result.num_hit_chunks == 1 for result in results), "a stored chunk was not fetched"
+    handler_us = server.status()["lmcache_r3"]["read_handler_us"] - handler_us
+    return statistics.median(trips), handler_us * 1e-6 / repeats
+
+
+def with_shm_tier(settings, logs: Path, profile: R3Profile, requests: int, repeats: int) -> tuple[float, float]:
+    """:func:`hot_fetch_many` on a second server, the same but with an shm tier below L1."""
+    root = tempfile.mkdtemp(prefix="lmcache_r3-bench-shm-", dir="/dev/shm")  # mode 0700, ours
+    tier = l2_adapter_spec({"type": "shm", "root": root, "capacity_bytes": 1 << 30})
+    tiered = dataclasses.replace(settings, port=free_port(), http_port=free_port(), l2_adapters=(tier,))
+    server = start_server(tiered, logs / "server-shm.log")
+    try:
+        with R3Client(server.url, MODEL, profile, timeout_s=120) as r3:
+            return hot_fetch_many(server, r3, profile, requests, repeats)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> int:
@@ -208,6 +247,7 @@ def main() -> int:
             r3.store(tokens, 0, encode_run(profile, 0, rows, CHUNK)).result()
             big_lookup, big_fetch = lookup_vs_fetch(r3, tokens, 10)
             batches = {n: fetch_many_vs_fetches(r3, profile, n, 30) for n in (1, 8, 32)}
+            hot = hot_fetch_many(server, r3, profile, HOT_REQUESTS, 200)
         worker.shutdown()
         scheduler.shutdown()
     except BaseException:
@@ -215,6 +255,11 @@ def main() -> int:
         raise
     finally:
         server.stop()
+    try:
+        hot_tiered = with_shm_tier(settings, logs, profile, HOT_REQUESTS, 200)
+    except BaseException:
+        print(f"bench_r3_server stopped; the servers' logs are in {logs}", file=sys.stderr)
+        raise
     shutil.rmtree(logs, ignore_errors=True)
 
     kv_store, kv_retrieve = (statistics.median(column) for column in zip(*kv_samples, strict=True))
@@ -266,6 +311,16 @@ def main() -> int:
                 f"| {n} | {many * 1e3:.2f} ms | {single * 1e3:.2f} ms | {many / single:.2f}x |"
                 for n, (many, single) in batches.items()
             ),
+            "",
+            f"The same `fetch_many` of {HOT_REQUESTS} requests, all in L1, on this server and on a second one started "
+            "the same but with an shm tier below L1 (medians of 200 calls; handler: the R3 module's server time per "
+            "call, `read_handler_us` in `/status`). With tiers, the module asks L1 first on its own thread and goes "
+            "through LMCache's prefetch thread (L1 and the tiers) only when L1 lacks a chunk:",
+            "",
+            "| server | round trip | handler |",
+            "| --- | --- | --- |",
+            f"| no L2 tier | {hot[0] * 1e3:.2f} ms | {hot[1] * 1e3:.2f} ms |",
+            f"| shm tier below L1 | {hot_tiered[0] * 1e3:.2f} ms | {hot_tiered[1] * 1e3:.2f} ms |",
             "",
         ]
     )

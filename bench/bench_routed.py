@@ -52,9 +52,9 @@ TIMERS = (
     ("worker.model_forward", "worker: the model's forward pass (inside `execute_model`)"),
     ("capturer.capture", "worker: one router's capture call (inside the forward pass; one per MoE layer a step)"),
     ("connector.start_load_kv", "worker: connector `start_load_kv` (inside `execute_model`)"),
-    ("kv.submit_retrieve", "worker: of which one KV chunk loaded from LMCache (synchronous on CPU, server round trips)"),
+    ("kv.submit_retrieve", "worker: of which one KV chunk loaded (synchronous on CPU: LMCache server round trips)"),
     ("connector.wait_for_save", "worker: connector `wait_for_save`, R3 rows collected in it"),
-    ("kv.submit_store", "worker: of which one KV chunk stored to LMCache (synchronous on CPU, server round trips)"),
+    ("kv.submit_store", "worker: of which one KV chunk stored (synchronous on CPU: LMCache server round trips)"),
     ("connector._collect_routed_experts", "worker: of which collecting the step's R3 rows"),
     ("connector.build_connector_worker_meta", "worker: connector `build_connector_worker_meta`"),
 )

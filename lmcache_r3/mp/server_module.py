@@ -338,9 +338,7 @@ class R3ServerModule:
                 if len(locked) == len(keys):
                     return in_l1
                 if locked:
-                    storage.finish_read_prefetched(
-                        [keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners
-                    )
+                    storage.finish_read_prefetched([keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners)
         handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
         return self._wait_prefetch(handle, keys)
 
