@@ -52,6 +52,8 @@ MAX_TOKEN_POSITION = 2**62
 _HEADER = struct.Struct("<4sHHIIIB3xQQQQQ")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 _PREFIX = struct.Struct("<4sHH")
+_RESERVED = slice(struct.calcsize("<4sHHIIIB"), struct.calcsize("<4sHHIIIB3x"))
+"""The header's padding (``3x`` in ``_HEADER``): zero in every object this version writes."""
 _CHECKED_NBYTES = _HEADER.size
 assert _CHECKED_NBYTES + _HEADER_CHECKSUM.size == HEADER_NBYTES
 _checksum = xxhash.xxh3_64_intdigest
@@ -287,6 +289,11 @@ def _check_prefix(data: bytes | memoryview) -> None:
         raise HeaderChecksumError(
             f"R3 chunk header checksum mismatch (stored {stored:016x}, computed {actual:016x}): "
             f"the header is damaged; the object must be recomputed"
+        )
+    if any(data[_RESERVED]):
+        raise UnsupportedVersionError(
+            f"R3 chunk header has non-zero reserved bytes {bytes(data[_RESERVED]).hex()}: written by a format this "
+            f"lmcache_r3 (version {FORMAT_VERSION}) does not read; clear the cache or run matching versions"
         )
 
 

@@ -135,6 +135,7 @@ HEADER_FLIP[33] ^= 0x01  # token_start
         (with_field(GOOD, 4, "<H", 2), UnsupportedVersionError, "version 2"),
         (with_field(GOOD, 6, "<H", 4096), HeaderSizeError, "declares 4096 bytes"),
         (with_field(GOOD, 6, "<H", 64), HeaderSizeError, "declares 64 bytes"),
+        (with_field(GOOD, 21, "<B", 1), UnsupportedVersionError, "non-zero reserved bytes 010000"),
         (HEADER_FLIP, HeaderChecksumError, "header is damaged"),
         (OTHER_PROFILE_OBJECT, ProfileMismatchError, "written for 48 layers x top-8 of 64 experts"),
         (with_field(GOOD, 24, "<Q", 12345), ProfileMismatchError, "inconsistent"),

@@ -16,12 +16,14 @@ from lmcache_r3.artifacts import (
     R3Profile,
     TokenRangeError,
     TruncatedHeaderError,
+    UnsupportedVersionError,
     decode_chunk,
     decode_run,
     encode_chunk,
     encode_run,
     encoded_nbytes,
 )
+from tests.unit.test_artifacts_codec import with_field
 
 PROFILE = R3Profile(6, 4, 300)  # uint16 ids
 CHUNK = 16
@@ -72,6 +74,8 @@ def flipped(data: bytes, byte: int) -> bytes:
         (flipped(RUN, 1 * OBJECT + 40), 1, HeaderChecksumError),
         (flipped(RUN, 1 * OBJECT + 66), 1, HeaderChecksumError),
         (flipped(RUN, 2 * OBJECT + 58), 2, HeaderChecksumError),
+        (RUN[:OBJECT] + bytes(with_field(RUN[OBJECT : 2 * OBJECT], 21, "<B", 1)) + RUN[2 * OBJECT :], 1,
+         UnsupportedVersionError),
         (flipped(RUN, 0 * OBJECT + 100), 0, PayloadChecksumError),
         (RUN[: 3 * OBJECT + 10], 3, TruncatedHeaderError),
         (RUN[:-1], 3, PayloadLengthError),
@@ -80,6 +84,7 @@ def flipped(data: bytes, byte: int) -> bytes:
         (RUN[:OBJECT] + encode_run(R3Profile(6, 4, 301), 48, ROWS[:CHUNK], CHUNK), 1, ProfileMismatchError),
     ],
     ids=["payload-of-3rd", "header-of-2nd", "stored-header-checksum-of-2nd", "stored-payload-checksum-of-3rd",
+         "reserved-bytes-of-2nd",
          "payload-of-1st", "cut-in-4th-header", "cut-in-last-payload",
          "extra-chunk-for-another-range", "first-chunk-missing", "other-profile-2nd"],
 )  # fmt: skip
