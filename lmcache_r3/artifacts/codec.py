@@ -168,18 +168,16 @@ def _contiguous_rows(profile: R3Profile, token_start: int, rows: np.ndarray) -> 
     return rows if rows.flags.c_contiguous else np.ascontiguousarray(rows)
 
 
+def _checked_header(profile: R3Profile, token_start: int, num_tokens: int, payload_checksum: int) -> bytes:
+    """The header bytes of an object of ``num_tokens`` rows at ``token_start``, up to its header checksum."""
+    return _HEADER.pack(
+        MAGIC, FORMAT_VERSION, HEADER_NBYTES, *profile.header_fields, token_start, token_start + num_tokens,
+        num_tokens * profile.bytes_per_token, payload_checksum,
+    )  # fmt: skip
+
+
 def _header(profile: R3Profile, token_start: int, rows: np.ndarray) -> bytes:
-    num_tokens = rows.shape[0]
-    checked = _HEADER.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        HEADER_NBYTES,
-        *profile.header_fields,
-        token_start,
-        token_start + num_tokens,
-        num_tokens * profile.bytes_per_token,
-        _checksum(rows),
-    )
+    checked = _checked_header(profile, token_start, rows.shape[0], _checksum(rows))
     return checked + _HEADER_CHECKSUM.pack(_checksum(checked))
 
 

@@ -21,15 +21,14 @@ import numpy as np
 
 from lmcache_r3.artifacts.codec import (
     _CHECKED_NBYTES,
-    _HEADER,
     _HEADER_CHECKSUM,
-    FORMAT_VERSION,
     HEADER_NBYTES,
-    MAGIC,
     R3Chunk,
     R3CodecError,
+    _checked_header,
     _checksum,
     _contiguous_rows,
+    _header,
     decode_chunk,
     encoded_nbytes,
 )
@@ -78,24 +77,11 @@ def encode_run(profile: R3Profile, token_start: int, rows: np.ndarray, chunk_siz
         raise ValueError(
             f"a run holds whole chunks: got {rows.shape[0]} rows, not a multiple of chunk_size={chunk_size}"
         )
-    shape_fields = profile.header_fields
-    payload_nbytes = chunk_size * profile.bytes_per_token
     parts: list[bytes | np.ndarray] = []
     for offset in range(0, rows.shape[0], chunk_size):
         chunk = rows[offset : offset + chunk_size]
-        checked = _checked_header(shape_fields, token_start + offset, chunk_size, payload_nbytes, _checksum(chunk))
-        parts += (checked, _HEADER_CHECKSUM.pack(_checksum(checked)), chunk)
+        parts += (_header(profile, token_start + offset, chunk), chunk)
     return b"".join(parts)
-
-
-def _checked_header(
-    shape_fields: tuple[int, ...], start: int, chunk_size: int, payload_nbytes: int, payload_checksum: int
-) -> bytes:
-    """The header bytes a chunk object at ``start`` must hold, up to (not including) its header checksum."""
-    return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, HEADER_NBYTES, *shape_fields, start, start + chunk_size, payload_nbytes,
-        payload_checksum,
-    )  # fmt: skip
 
 
 def decode_run(
@@ -122,8 +108,6 @@ def decode_run(
         (num_whole, chunk_size, *profile.row_shape), profile.dtype, view, HEADER_NBYTES,
         (object_nbytes, profile.bytes_per_token, profile.top_k * profile.dtype.itemsize, profile.dtype.itemsize),
     )  # fmt: skip
-    shape_fields = profile.header_fields
-    payload_nbytes = chunk_size * profile.bytes_per_token
     chunks: list[R3Chunk] = []
     for index in range(num_whole):
         # An object is valid when its header is, byte for byte, the one this position and profile require (its
@@ -131,7 +115,7 @@ def decode_run(
         offset = index * object_nbytes
         start = token_start + index * chunk_size
         payload_checksum, header_checksum = _CHECKSUMS.unpack_from(view, offset + _PAYLOAD_CHECKSUM_AT)
-        expected = _checked_header(shape_fields, start, chunk_size, payload_nbytes, payload_checksum)
+        expected = _checked_header(profile, start, chunk_size, payload_checksum)
         if not (
             view[offset : offset + _CHECKED_NBYTES].tobytes() == expected
             and _checksum(expected) == header_checksum
