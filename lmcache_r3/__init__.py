@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from lmcache_r3.output import RoutedExpertsUnavailable, routed_experts  # noqa: E402
+from lmcache_r3.output import RoutedExpertsUnavailable, routed_experts, routed_experts_from_params  # noqa: E402
 
-__all__ = ["RoutedExpertsUnavailable", "__version__", "routed_experts"]
+__all__ = ["RoutedExpertsUnavailable", "__version__", "routed_experts", "routed_experts_from_params"]

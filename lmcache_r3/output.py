@@ -8,15 +8,22 @@ first, then output tokens); the last sampled token never ran, so it has no row.
     from lmcache_r3 import routed_experts
     outputs = llm.generate(prompts, SamplingParams(max_tokens=64, stop_token_ids=[eos]))
     rows = routed_experts(outputs[0])          # np.ndarray [prompt + output - 1, layers, top_k]
+
+Each encoded array travels with the fingerprint of the tokens it belongs to (:func:`token_fingerprint`), and both
+readers check it, so rows are never handed out for another token sequence: vLLM's OpenAI server returns one
+``kv_transfer_params`` per response, that of one of its prompts, and a response to several prompts carries the rows
+of one of them only (:func:`routed_experts_from_params` then refuses the others).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 ROUTED_EXPERTS_KEY = "routed_experts"
 ROUTED_EXPERTS_ERROR_KEY = "routed_experts_error"
@@ -25,6 +32,10 @@ SOURCES_KEY = "lmcache_r3_sources"
 to ``num_tokens - 1``; each token's KV and routing came from the same source (computed includes output tokens)."""
 SIBLINGS_KEY = "routed_experts_by_index"
 """Parallel sampling (n > 1): ``{completion index (str): encoded rows}`` of every completion of the request."""
+FINGERPRINT_KEY = "routed_experts_fingerprint"
+"""The :func:`token_fingerprint` of the tokens whose routing ``routed_experts`` holds (prompt + outputs)."""
+SIBLING_FINGERPRINTS_KEY = "routed_experts_fingerprint_by_index"
+"""Parallel sampling: ``{completion index (str): token fingerprint}`` beside :data:`SIBLINGS_KEY`."""
 
 
 class RoutedExpertsUnavailable(LookupError):
@@ -42,6 +53,13 @@ def decode_routed_experts(encoded: str | bytes) -> np.ndarray:
     """The array :func:`encode_routed_experts` encoded (``allow_pickle`` stays off)."""
     raw = base64.b64decode(encoded)
     return np.load(io.BytesIO(raw), allow_pickle=False)
+
+
+def token_fingerprint(token_ids: Sequence[int]) -> str:
+    """``"<number of tokens>:<XXH3-64 of the ids as little-endian int64, 16 hex digits>"``: names the token sequence
+    (prompt + outputs) that a request's routed experts belong to."""
+    ids = np.asarray(token_ids, dtype="<i8")
+    return f"{ids.shape[0]}:{xxhash.xxh3_64_hexdigest(ids.tobytes())}"
 
 
 def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
@@ -68,11 +86,12 @@ def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
         raise RoutedExpertsUnavailable("routed experts are returned with the final output of a request only")
     if ROUTED_EXPERTS_ERROR_KEY in params:
         raise RoutedExpertsUnavailable(params[ROUTED_EXPERTS_ERROR_KEY])
+    tokens = [*(getattr(request_output, "prompt_token_ids", None) or ()), *completion.token_ids]
     siblings = params.get(SIBLINGS_KEY)
     if siblings is not None and str(completion.index) in siblings:
-        return decode_routed_experts(siblings[str(completion.index)])
+        return _checked(params, tokens, str(completion.index))
     if ROUTED_EXPERTS_KEY in params and (len(completions) == 1 or siblings is None):
-        return decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+        return _checked(params, tokens, None)
     if isinstance(getattr(completion, "stop_reason", None), str):
         raise RoutedExpertsUnavailable(
             f"the request ended on the stop string {completion.stop_reason!r}: vLLM's front end aborts such "
@@ -84,3 +103,56 @@ def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
         "the output carries no routed experts: serve the model with kv_connector LMCacheMPConnector from "
         "lmcache_r3.mp.connector (routed experts on, a MoE model), and read the final output of the request"
     )
+
+
+def routed_experts_from_params(
+    kv_transfer_params: dict[str, Any] | None, token_ids: Sequence[int], index: int | None = None
+) -> np.ndarray:
+    """The routed experts of a response of vLLM's OpenAI server (its ``kv_transfer_params``), checked against the
+    tokens they must belong to.
+
+    Args:
+        kv_transfer_params: the response's ``kv_transfer_params``.
+        token_ids: the prompt's token ids followed by the choice's output token ids (ask the server for them with
+            ``"return_token_ids": true``).
+        index: the choice's ``index`` when the request sampled several (``n`` > 1).
+
+    Returns:
+        ``[len(token_ids) - 1, num_layers, top_k]`` uint8 / uint16.
+
+    Raises:
+        RoutedExpertsUnavailable: the response carries no routed experts (the message says why), or they belong to
+            other tokens: a response to several prompts carries the rows of one of them only.
+    """
+    params = kv_transfer_params or {}
+    if ROUTED_EXPERTS_ERROR_KEY in params:
+        raise RoutedExpertsUnavailable(params[ROUTED_EXPERTS_ERROR_KEY])
+    siblings = params.get(SIBLINGS_KEY)
+    key = None if index is None or siblings is None else str(index)
+    if key is not None and key not in siblings:
+        raise RoutedExpertsUnavailable(f"the response has no routed experts for choice {index}")
+    if key is None and ROUTED_EXPERTS_KEY not in params:
+        raise RoutedExpertsUnavailable(
+            "the response carries no routed experts: the server must run lmcache_r3's connector with routed experts "
+            "on, and a request that ends on a stop string is aborted by vLLM's front end and returns none (stop on "
+            "token ids instead)"
+        )
+    return _checked(params, list(token_ids), key)
+
+
+def _checked(params: dict[str, Any], token_ids: list[int], index: str | None) -> np.ndarray:
+    """The encoded rows of ``params`` (of choice ``index``, or the request's), after checking that their token
+    fingerprint is that of ``token_ids``."""
+    if index is None:
+        encoded, fingerprint = params[ROUTED_EXPERTS_KEY], params.get(FINGERPRINT_KEY)
+    else:
+        encoded, fingerprint = params[SIBLINGS_KEY][index], params.get(SIBLING_FINGERPRINTS_KEY, {}).get(index)
+    expected = token_fingerprint(token_ids)
+    if fingerprint != expected:
+        raise RoutedExpertsUnavailable(
+            f"these routed experts belong to another token sequence (fingerprint {fingerprint}, the tokens given: "
+            f"{expected}). vLLM's OpenAI server returns one kv_transfer_params per response, that of one of its "
+            "prompts: send one prompt per request (n > 1 is fine), and pass the prompt's token ids followed by the "
+            "choice's output token ids"
+        )
+    return decode_routed_experts(encoded)

@@ -42,11 +42,14 @@ from lmcache_r3.counters import Counters
 from lmcache_r3.mp.r3_client import FetchSpec, R3Call, R3Client, R3TimeoutError, StoreSpec
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.output import (
+    FINGERPRINT_KEY,
     ROUTED_EXPERTS_ERROR_KEY,
     ROUTED_EXPERTS_KEY,
+    SIBLING_FINGERPRINTS_KEY,
     SIBLINGS_KEY,
     SOURCES_KEY,
     encode_routed_experts,
+    token_fingerprint,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,7 +131,8 @@ class RoutedExpertsBook:
         self.counters = Counters(*R3_COUNTERS)
         self._requests: dict[str, _RequestState] = {}
         self._finishing: dict[str, _Finishing] = {}
-        self._siblings: dict[str, dict[str, str]] = {}
+        self._siblings: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
+        """Parallel sampling: per parent request, the encoded rows and the token fingerprints of its children."""
         self._stores: list[tuple[tuple[str, ...], R3Call]] = []
         self._fetch_queue: list[tuple[str, _PendingFetch]] = []
         self._next_step = 0
@@ -527,14 +531,15 @@ class RoutedExpertsBook:
                 continue
             self.counters.add("requests_completed")
             encoded = encode_routed_experts(routed)
-            params[ROUTED_EXPERTS_KEY] = encoded
+            fingerprint = token_fingerprint(state.request.all_token_ids[: finishing.num_tokens])
+            params[ROUTED_EXPERTS_KEY], params[FINGERPRINT_KEY] = encoded, fingerprint
             index, _, parent = request_id.partition("_")
             if index.isdigit() and parent:
                 # The front end of parallel sampling keeps only the last child's params: every child carries the
-                # routing of the siblings finished so far, in one dict they share.
-                group = self._siblings.setdefault(parent, {})
-                group[index] = encoded
-                params[SIBLINGS_KEY] = group
+                # routing of the siblings finished so far, in dicts they share.
+                rows, fingerprints = self._siblings.setdefault(parent, ({}, {}))
+                rows[index], fingerprints[index] = encoded, fingerprint
+                params[SIBLINGS_KEY], params[SIBLING_FINGERPRINTS_KEY] = rows, fingerprints
                 if not any(other.endswith(f"_{parent}") for other in self._requests):
                     del self._siblings[parent]  # the last child: the group lives on in the params only
 

