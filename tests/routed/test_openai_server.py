@@ -36,12 +36,14 @@ class OpenAIServer:
             "lmcache.mp.port": r3_server.settings.port,
             "lmcache_r3.r3_timeout_s": 2.0,
         }
+        template = log_dir / "chat-template.jinja"  # the tiny tokenizer has none: each message's words, in turn
+        template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "lmcache_r3.mp.connector",
                     "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
         argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024",
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
-                "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
+                "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--chat-template", str(template),
                 "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
         # VLLM_SERVER_DEV_MODE: the server's /reset_prefix_cache, so the next request is served from LMCache.
         self.process = REGISTRY.add(
@@ -68,6 +70,12 @@ class OpenAIServer:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
                 "return_token_ids": True} | fields  # fmt: skip
         return self.post("/v1/completions", body)
+
+    def chat(self, messages: list[dict], **fields) -> dict:
+        """One ``/v1/chat/completions`` call with the token ids returned."""
+        body = {"model": self.model, "messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True} | fields  # fmt: skip
+        return self.post("/v1/chat/completions", body)
 
     def reset_prefix_cache(self) -> None:
         assert self.post("/reset_prefix_cache", {}) == {"success": True}
@@ -142,3 +150,20 @@ def test_a_stop_string_response_explains_why_it_has_no_rows(api_server):
     assert response["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(RoutedExpertsUnavailable, match="stop string"):
         routed_experts_from_params(response["kv_transfer_params"], tokens_of(response))
+
+
+def test_chat_turns_return_rows_of_the_templated_prompt_and_reuse_the_previous_turn(api_server, hf_router):
+    """An agentic rollout over /v1/chat/completions: the rows cover the prompt as the chat template rendered it
+    (``prompt_token_ids`` of the response) and the reply; the second turn reuses the first turn's cache."""
+    messages = [{"role": "user", "content": " ".join(f"w{t}" for t in words(150, seed=9026))}]
+    for turn in range(2):
+        response = api_server.chat(messages)
+        tokens = list(response["prompt_token_ids"]) + list(response["choices"][0]["token_ids"])
+        rows = routed_experts_from_params(response["kv_transfer_params"], tokens)
+        np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
+        sources = response["kv_transfer_params"][SOURCES_KEY]
+        if turn:
+            assert sources["vllm_cached_tokens"] + sources["lmcache_tokens"] >= 128, sources
+        reply = response["choices"][0]["message"]["content"]
+        more = " ".join(f"w{t}" for t in words(30, seed=9027 + turn))
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": more}]
