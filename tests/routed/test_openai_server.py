@@ -89,10 +89,9 @@ def api_server(tiny_moe, r3_server, tmp_path_factory):
     server.process.stop()
 
 
-def tokens_of(response: dict, choice: int = 0) -> list[int]:
+def tokens_of(choice: dict) -> list[int]:
     """The prompt's and the choice's output token ids, as the server returned them."""
-    picked = response["choices"][choice]
-    return list(picked["prompt_token_ids"]) + list(picked["token_ids"])
+    return list(choice["prompt_token_ids"]) + list(choice["token_ids"])
 
 
 def words(length: int, seed: int) -> list[int]:
@@ -103,7 +102,7 @@ def words(length: int, seed: int) -> list[int]:
 def test_a_response_carries_rows_equal_to_hf_router_and_an_lmcache_hit_returns_them_again(api_server, hf_router):
     prompt = words(200, seed=9021)
     cold = api_server.complete(prompt)
-    tokens = tokens_of(cold)
+    tokens = tokens_of(cold["choices"][0])
     assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 6
     rows = routed_experts_from_params(cold["kv_transfer_params"], tokens)
     np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
@@ -111,18 +110,19 @@ def test_a_response_carries_rows_equal_to_hf_router_and_an_lmcache_hit_returns_t
 
     api_server.reset_prefix_cache()
     warm = api_server.complete(prompt)
-    assert tokens_of(warm) == tokens
+    assert tokens_of(warm["choices"][0]) == tokens
     assert warm["kv_transfer_params"][SOURCES_KEY]["lmcache_tokens"] >= 3 * 64  # the prompt's 3 whole chunks
     np.testing.assert_array_equal(routed_experts_from_params(warm["kv_transfer_params"], tokens), rows)
 
 
 def test_parallel_samples_each_return_their_own_rows(api_server, hf_router):
     response = api_server.complete(words(90, seed=9022), n=2, temperature=1.0, seed=5)
-    choices = {choice["index"]: choice for choice in response["choices"]}
-    assert sorted(choices) == [0, 1]
-    for index in choices:
-        tokens = tokens_of(response, [c["index"] for c in response["choices"]].index(index))
-        rows = routed_experts_from_params(response["kv_transfer_params"], tokens, index)
+    choices = response["choices"]
+    assert sorted(choice["index"] for choice in choices) == [0, 1]
+    assert choices[0]["token_ids"] != choices[1]["token_ids"], "the samples must differ to tell their rows apart"
+    for choice in choices:
+        tokens = tokens_of(choice)
+        rows = routed_experts_from_params(response["kv_transfer_params"], tokens, choice["index"])
         np.testing.assert_array_equal(rows, hf_router(np.asarray(tokens)))
 
 
@@ -132,8 +132,8 @@ def test_a_response_to_several_prompts_never_hands_out_rows_for_the_wrong_prompt
     response = api_server.complete([words(70, seed=9023), words(70, seed=9024)])
     params = response["kv_transfer_params"]
     outcomes = []
-    for choice in range(2):
-        tokens = tokens_of(response, choice)
+    for choice in response["choices"]:
+        tokens = tokens_of(choice)
         try:
             rows = routed_experts_from_params(params, tokens)
         except RoutedExpertsUnavailable as error:
@@ -149,7 +149,7 @@ def test_a_stop_string_response_explains_why_it_has_no_rows(api_server):
     response = api_server.complete(words(40, seed=9025), stop=["w"], ignore_eos=False)
     assert response["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(RoutedExpertsUnavailable, match="stop string"):
-        routed_experts_from_params(response["kv_transfer_params"], tokens_of(response))
+        routed_experts_from_params(response["kv_transfer_params"], tokens_of(response["choices"][0]))
 
 
 def test_chat_turns_return_rows_of_the_templated_prompt_and_reuse_the_previous_turn(api_server, hf_router):
