@@ -40,16 +40,17 @@ reports the others as deleted.
 
 Task completion, the watchdog, "locks" and byte accounting are :mod:`lmcache_r3.tiers.task_adapter`'s: every submitted
 task completes exactly once and signals its event fd, even when the client throws; no submit, ``delete`` or
-``unlock`` raises; a task the watchdog failed stops before touching the caller's next buffer (the store asks before
-each copy into, and each direct transfer into, the caller's memory; a direct read whose call was abandoned while
-the master stalled never writes into L1 afterwards). A load that fails leaves its bit 0, and LMCache does not use
-that buffer, so a direct read that fails its checksum is only a miss. Mooncake's own eviction may still drop a
-locked key, which makes its load a miss; known keys a load finds gone are counted as ``vanished_objects``.
+``unlock`` raises. The store touches the caller's memory only under holds of the task's buffers
+(:mod:`lmcache_r3.tiers.holds`): the watchdog cannot fail a task while a batch is staged from or copied into L1, or
+while a direct transfer into L1 is in flight (up to ``direct_read_max_seconds``), and a task it failed touches L1 no
+more; a direct read whose query was abandoned while the master stalled never writes into L1 afterwards. A load that
+fails leaves its bit 0, and LMCache does not use that buffer, so a direct read that fails its checksum is only a
+miss. Mooncake's own eviction may still drop a locked key, which makes its load a miss; known keys a load finds gone
+are counted as ``vanished_objects``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -154,11 +155,8 @@ class MooncakeL2Adapter(TaskL2Adapter):
         self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any]
     ) -> Iterator[tuple[int, int, int]]:
         views = [byte_view(obj) for _, obj in zip(names, objects, strict=True)]
-        codes = self._store.put(names, views, cancelled=lambda: task.abandoned)
-        if self._abandoned(task):
-            # The caller was told this task failed and may have reused a buffer while it was copied.
-            self._store.remove([name for name, code in zip(names, codes, strict=True) if code == 0])
-            return
+        # Read under holds of the task's buffers: an object stored after the task failed holds the bytes it was given.
+        codes = self._store.put(names, views, buffers=self._buffers(task))
         for i, (view, code) in enumerate(zip(views, codes, strict=True)):
             if code == 0:
                 yield i, view.nbytes, view.nbytes
@@ -172,12 +170,8 @@ class MooncakeL2Adapter(TaskL2Adapter):
         self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any]
     ) -> Iterator[tuple[int, int | None]]:
         views = [byte_view(obj) for _, obj in zip(names, objects, strict=True)]
-        if self._store.reads_direct(views):  # a direct transfer into L1 is waited for, never abandoned
-            task.holding_until = time.monotonic() + self._store.settings.direct_read_max_seconds + 1.0
-        try:
-            codes = self._store.get_into(names, views, cancelled=lambda: task.abandoned)
-        finally:
-            task.holding_until = 0.0
+        # A direct transfer into L1 holds the task's buffers until it returned (or outlived its own bound).
+        codes = self._store.get_into(names, views, buffers=self._buffers(task))
         for i, (view, code) in enumerate(zip(views, codes, strict=True)):
             if code == view.nbytes:
                 yield i, code

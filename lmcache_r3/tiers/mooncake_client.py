@@ -262,6 +262,8 @@ class BoundedMooncakeClient:
         try:
             codes = [int(code) for code in future.result(timeout=max(0.0, pending.deadline - time.monotonic()))]
         except FutureTimeout:
+            # Still queued behind stuck calls: it never runs (a late transfer must not touch what the caller reused).
+            future.cancel()
             if buf is not None:
                 future.add_done_callback(lambda _: self._release(buf))
             self._fault("timeouts", f"{what} of {n} keys took over {self.settings.call_timeout_seconds} s", down=True)

@@ -62,7 +62,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -71,6 +71,7 @@ import numpy as np
 import xxhash
 from lmcache.logging import init_logger
 
+from lmcache_r3.tiers.holds import UNHELD, CallerBuffers
 from lmcache_r3.tiers.mooncake_client import (
     CANCELLED,
     CORRUPT,
@@ -96,10 +97,6 @@ call runs, and concurrent writes over loopback slow each other down (two 48 MiB 
 96 MiB call)."""
 
 
-def _never() -> bool:
-    return False
-
-
 @dataclass
 class _Call:
     """One call's share of a batch: the caller's indices it covers and where each object's bytes go."""
@@ -114,6 +111,8 @@ class _Call:
     """Each member's payload address in the caller's memory when it moves direct, else None."""
     moved: list[int] = field(default_factory=list)
     """Positions in ``group`` the call moves (a direct read skips objects the query found missing or resized)."""
+    holding: bool = False
+    """Whether the call holds the caller's buffers (see :mod:`lmcache_r3.tiers.holds`) until it is done."""
     pending: PendingCall | None = None
 
 
@@ -157,11 +156,12 @@ class MooncakeObjectStore:
         self._count(codes, absent=0)
         return codes
 
-    def put(self, keys: Sequence[str], payloads: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
+    def put(self, keys: Sequence[str], payloads: Sequence[memoryview], buffers: CallerBuffers = UNHELD):
         """Store each payload under its key; per key 0 (stored, or already there) or a negative code.
 
-        ``cancelled`` is asked before each payload is staged or hashed. Batches are pipelined: the next batch is
-        staged while the previous ones transfer.
+        Each batch's payloads are hashed and staged under a hold of ``buffers``, kept until the call returns when
+        it reads any of them direct; a refused hold ends the put (the rest ``CANCELLED``). Batches are pipelined:
+        the next batch is staged while the previous ones transfer.
         """
         codes = [CANCELLED] * len(keys)
         addresses = self._direct_addresses(payloads)
@@ -173,62 +173,80 @@ class MooncakeObjectStore:
         for group, _ in batch_groups(self.settings.batch_bytes, weights):
             direct = any(addresses[i] for i in group)
             while in_flight and (direct or len(in_flight) >= self._client.max_in_flight):
-                self._put_done(in_flight.popleft(), payloads, codes)
+                self._put_done(in_flight.popleft(), payloads, codes, buffers)
             slots = [HEADER.size + (0 if addresses[i] else payloads[i].nbytes) for i in group]
             buf = self._client.acquire(sum(slots))
             if buf is None:
                 codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
                 continue
-            call = _Call([], buf, [], [])
-            staging, base, offset = memoryview(buf), buf.ctypes.data, 0
-            ptrs: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for i, slot in zip(group, slots, strict=True):
-                if cancelled():
-                    break
-                payload, address = payloads[i], addresses[i]
-                if address is None:
-                    seal_object(staging[offset : offset + slot], payload)
-                    ptrs.append([base + offset])
-                    sizes.append([slot])
-                else:
-                    digest = xxhash.xxh3_64_intdigest(payload)
-                    staging[offset : offset + HEADER.size] = encode_header(payload.nbytes, digest)
-                    ptrs.append([base + offset, address])
-                    sizes.append([HEADER.size, payload.nbytes])
-                call.group.append(i)
-                call.offsets.append(offset)
-                call.addresses.append(address)
-                offset += slot
+            if not buffers.hold():
+                self._client.done_with(buf, [])
+                break
+            call = _Call([], buf, [], [], holding=direct)
+            try:
+                ptrs, sizes = self._stage(call, group, slots, payloads, addresses)
+            except BaseException:
+                buffers.release()
+                self._client.done_with(buf, [])
+                raise
+            if not direct:  # staged: the caller's memory is not read again
+                buffers.release()
             batch = [keys[i] for i in call.group]
-            if any(call.addresses):
+            if direct:
                 write = partial(_write_parts, keys=batch, ptrs=ptrs, sizes=sizes)
             else:
                 write = partial(_write, keys=batch, ptrs=[p[0] for p in ptrs], sizes=[s[0] for s in sizes])
             call.pending = self._client.submit("put", len(batch), write, buf)
             in_flight.append(call)
-            if len(call.group) < len(group):
-                break
         while in_flight:
-            self._put_done(in_flight.popleft(), payloads, codes)
+            self._put_done(in_flight.popleft(), payloads, codes, buffers)
         self._count(codes, absent=None)
         return codes
 
-    def _put_done(self, call: _Call, payloads: Sequence[memoryview], codes: list[int]) -> None:
+    @staticmethod
+    def _stage(
+        call: _Call, group: list[int], slots: list[int], payloads: Sequence[memoryview], addresses: list[int | None]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Seal each staged payload into its slot of ``call.buf`` and the header of each direct one; the parts'
+        pointers and sizes."""
+        staging, base, offset = memoryview(call.buf), call.buf.ctypes.data, 0
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for i, slot in zip(group, slots, strict=True):
+            payload, address = payloads[i], addresses[i]
+            if address is None:
+                seal_object(staging[offset : offset + slot], payload)
+                ptrs.append([base + offset])
+                sizes.append([slot])
+            else:
+                digest = xxhash.xxh3_64_intdigest(payload)
+                staging[offset : offset + HEADER.size] = encode_header(payload.nbytes, digest)
+                ptrs.append([base + offset, address])
+                sizes.append([HEADER.size, payload.nbytes])
+            call.group.append(i)
+            call.offsets.append(offset)
+            call.addresses.append(address)
+            offset += slot
+        return ptrs, sizes
+
+    def _put_done(self, call: _Call, payloads: Sequence[memoryview], codes: list[int], buffers: CallerBuffers) -> None:
         got = self._client.wait(call.pending)
+        if call.holding:  # a direct write read the caller's memory until now (an abandoned one stores a checksum
+            buffers.release()  # of the bytes it was given, so a later change of them fails every read)
         self._client.done_with(call.buf, got)
         for i, code, address in zip(call.group, got, call.addresses, strict=True):
             codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
             self._add("bytes_written", HEADER.size + payloads[i].nbytes if codes[i] == OK else 0)
             self._add("direct_written", int(codes[i] == OK and address is not None))
 
-    def get_into(self, keys: Sequence[str], views: Sequence[memoryview], cancelled: Callable[[], bool] = _never):
+    def get_into(self, keys: Sequence[str], views: Sequence[memoryview], buffers: CallerBuffers = UNHELD):
         """Read each object into its view, which must be exactly the payload's size.
 
         Per key the payload length when read and checked; else a negative code, and then the view holds no data
-        the caller may use (a direct read may have written into it). ``cancelled`` is asked before each batch is
-        requested, before each direct transfer and before each copy into the caller's memory. Corrupt objects are
-        removed. Batches are pipelined: one batch is checked while the next ones transfer.
+        the caller may use (a direct read may have written into it). The views are written and checksummed only
+        under a hold of ``buffers``: a direct transfer holds from its start until it was checked, a staged batch
+        while it is checked and copied out; a refused hold ends the read (the rest ``CANCELLED``). Corrupt objects
+        are removed. Batches are pipelined: one batch is checked while the next ones transfer.
         """
         codes = [CANCELLED] * len(keys)
         corrupt: list[str] = []
@@ -236,8 +254,8 @@ class MooncakeObjectStore:
         in_flight: deque[_Call] = deque()
         for group, _ in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
             if len(in_flight) >= self._client.max_in_flight:
-                self._get_done(in_flight.popleft(), keys, views, codes, corrupt, cancelled)
-            if cancelled():
+                self._get_done(in_flight.popleft(), keys, views, codes, corrupt, buffers)
+            if buffers.cancelled():
                 break
             slots = [HEADER.size + (0 if addresses[i] else views[i].nbytes) for i in group]
             buf = self._client.acquire(sum(slots))
@@ -248,7 +266,7 @@ class MooncakeObjectStore:
             call = _Call(group, buf, offsets, [addresses[i] for i in group])
             names = [keys[i] for i in group]
             if any(call.addresses):
-                call.pending = self._start_direct_read(call, names, views, codes, cancelled)
+                call.pending = self._start_direct_read(call, names, views, codes, buffers)
                 if call.pending is None:
                     self._client.done_with(buf, [])
                     continue
@@ -258,7 +276,7 @@ class MooncakeObjectStore:
                 call.pending = self._client.submit("get", len(group), read, buf)
             in_flight.append(call)
         while in_flight:
-            self._get_done(in_flight.popleft(), keys, views, codes, corrupt, cancelled)
+            self._get_done(in_flight.popleft(), keys, views, codes, corrupt, buffers)
         self._count(codes, absent=OBJECT_NOT_FOUND)
         if corrupt:
             self.remove(corrupt)
@@ -270,9 +288,10 @@ class MooncakeObjectStore:
         names: list[str],
         views: Sequence[memoryview],
         codes: list[int],
-        cancelled: Callable[[], bool],
+        buffers: CallerBuffers,
     ) -> PendingCall | None:
-        """Query ``names`` (the master's part), then start the transfer of those of exactly the expected size.
+        """Query ``names`` (the master's part), then start the transfer of those of exactly the expected size, under
+        a hold of ``buffers`` that :meth:`_get_done` releases.
 
         Sets the codes of the others; None when nothing is transferred.
         """
@@ -299,7 +318,8 @@ class MooncakeObjectStore:
                 ptrs.append([slot, address])
                 sizes.append([HEADER.size, views[i].nbytes])
                 src_offsets.append([0, HEADER.size])
-        if not call.moved or cancelled():
+        call.holding = bool(call.moved) and buffers.hold()
+        if not call.holding:
             if stored and stored[0] != TIMEOUT:
                 self._client.submit("end session", 1, partial(_end_session, keys=names))
             return None
@@ -322,9 +342,10 @@ class MooncakeObjectStore:
         views: Sequence[memoryview],
         codes: list[int],
         corrupt: list[str],
-        cancelled: Callable[[], bool],
+        buffers: CallerBuffers,
     ) -> None:
-        """Check the objects one call moved; copy the intact staged ones into the caller's views."""
+        """Check the objects one call moved; copy the intact staged ones into the caller's views (under a hold: the
+        direct call's own, else one taken now; without one, nothing is read)."""
         got = self._client.wait(call.pending)
         if any(call.addresses) and got and got[0] == TIMEOUT and not self._direct_reads_off:
             self._direct_reads_off = True
@@ -334,6 +355,24 @@ class MooncakeObjectStore:
                 "network, and restart the server to read direct again",
                 self.settings.direct_read_max_seconds,
             )
+        held = call.holding or buffers.hold()
+        try:
+            if held:
+                self._check_and_copy(call, got, keys, views, codes, corrupt)
+        finally:
+            if held:
+                buffers.release()
+            self._client.done_with(call.buf, got)
+
+    def _check_and_copy(
+        self,
+        call: _Call,
+        got: list[int],
+        keys: Sequence[str],
+        views: Sequence[memoryview],
+        codes: list[int],
+        corrupt: list[str],
+    ) -> None:
         staging = memoryview(call.buf)
         for j, code in zip(call.moved, got, strict=True):
             i, offset = call.group[j], call.offsets[j]
@@ -351,13 +390,12 @@ class MooncakeObjectStore:
             if not intact:
                 codes[i] = CORRUPT
                 corrupt.append(keys[i])
-            elif not cancelled():
-                if payload is not None:
-                    _copy(views[i], payload)
-                codes[i] = views[i].nbytes
-                self._add("bytes_read", size)
-                self._add("direct_read", int(call.addresses[j] is not None))
-        self._client.done_with(call.buf, got)
+                continue
+            if payload is not None:
+                _copy(views[i], payload)
+            codes[i] = views[i].nbytes
+            self._add("bytes_read", size)
+            self._add("direct_read", int(call.addresses[j] is not None))
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each key (forced past read leases); per key 0 or a negative code (-704: already gone)."""

@@ -41,9 +41,10 @@ Tasks, locks and accounting
 Task completion, the watchdog, "locks" and byte accounting are :mod:`lmcache_r3.tiers.task_adapter`'s: every
 submitted task completes exactly once and signals its event fd, even when the store throws; a task still running after
 ``task_timeout_seconds`` is failed and marks the adapter unhealthy for ``unhealthy_for_seconds`` (60); no submit, no
-``delete`` and no ``unlock`` raises. A task the watchdog failed stops before touching the next object; an object it
-published after the caller got the failure is removed again (the L1 buffer may have been reused); a stalled read that
-finally returns cannot be undone, which is why the timeout is generous. The store's own hard-cap LRU and the TTL sweep
+``delete`` and no ``unlock`` raises. Each object is copied between L1 and its file, and checksummed, under a hold
+on the task's buffers (:mod:`lmcache_r3.tiers.holds`): the watchdog fails a task only between two objects, and a task
+it failed touches no further object, so no L1 buffer LMCache reused is ever read or written, and an object a failed
+store task published holds the bytes it was given. The store's own hard-cap LRU and the TTL sweep
 may still remove a locked object, which turns its load into a miss (loads may fail by contract).
 
 At start-up the adapter adopts every decodable object under the root and replays the set to every listener registered
@@ -64,6 +65,7 @@ from typing import Any
 from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 
+from lmcache_r3.tiers.holds import BuffersGone
 from lmcache_r3.tiers.shm_store import (
     HEADER,
     MAX_KEY_BYTES,
@@ -236,8 +238,10 @@ class ShmL2Adapter(TaskL2Adapter):
     def _each(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any], doing: str, operation
     ) -> Iterator[tuple[int, memoryview, Any]]:
-        """``(i, view, operation(names[i], view))`` per object, in order, until the task is abandoned; a raise is
-        counted, logged and skips the object. A big task runs on ``io_threads`` threads, each taking every n-th."""
+        """``(i, view, operation(names[i], view, buffers))`` per object, in order, until a hold on the task's buffers
+        is refused (the task was failed); a raise is counted, logged and skips the object. A big task runs on
+        ``io_threads`` threads, each taking every n-th."""
+        buffers = self._buffers(task)
         count = min(len(keys), len(names), len(objects))
         lanes = [range(count)]
         if self._io is not None and count > 1:
@@ -249,11 +253,11 @@ class ShmL2Adapter(TaskL2Adapter):
         def run(indices: range) -> list[tuple[int, memoryview, Any]]:
             done = []
             for i in indices:
-                if task.abandoned:
-                    break
                 try:
                     view = byte_view(objects[i])
-                    done.append((i, view, operation(names[i], view)))
+                    done.append((i, view, operation(names[i], view, buffers)))
+                except BuffersGone:
+                    break
                 except Exception as err:
                     self._count("errors")
                     logger.warning("ShmL2Adapter: %s %s failed: %s", doing, keys[i], err)
@@ -271,12 +275,8 @@ class ShmL2Adapter(TaskL2Adapter):
     def _put(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any]
     ) -> Iterator[tuple[int, int, int]]:
+        # An object published after the task failed still holds the bytes it was given (they were read under a hold).
         for i, view, published in self._each(task, keys, names, objects, "storing", self._store.put):
-            if self._abandoned(task):
-                # The caller was told this task failed and may have reused the buffer meanwhile.
-                if published:
-                    self._store.delete([names[i]])
-                return
             yield i, view.nbytes, view.nbytes if published else 0
 
     def _find(self, task: Task, keys: list[ObjectKey], names: list[bytes]) -> Iterator[int]:

@@ -68,6 +68,8 @@ from pathlib import Path
 
 import xxhash
 
+from lmcache_r3.tiers.holds import UNHELD, CallerBuffers
+
 MAX_KEY_BYTES = 155
 """Longest key accepted: its base32 name (248 characters) stays under NAME_MAX = 255."""
 
@@ -273,10 +275,13 @@ class ShmObjectStore:
 
     # -- objects ---------------------------------------------------------------------------------------------------
 
-    def put(self, key: bytes, data: bytes | bytearray | memoryview) -> bool:
+    def put(self, key: bytes, data: bytes | bytearray | memoryview, buffers: CallerBuffers = UNHELD) -> bool:
         """Publish ``data`` under ``key``; True if this call published it, False if the key was already present.
 
+        ``data`` is read (checksummed and copied) under one hold of ``buffers``.
+
         Raises:
+            BuffersGone: the hold was refused; nothing was read or published.
             InvalidKeyError: see ``object_name``.
             ObjectTooLargeError: the object alone exceeds ``capacity_bytes``.
             OSError: the root is full or unwritable.
@@ -292,19 +297,17 @@ class ShmObjectStore:
         if self._adopt_existing(key, path):
             return False
         temp = os.path.join(self._root, self._unique_name(TEMP_PREFIX))
-        recycled = self._make_room(file_size, keep=key, claim_as=temp)
-        header = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))))
-        if recycled:
-            fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
-            # An evicted object's file has the size this store counted for it, unless another store replaced the
-            # object since with one of another size (and a free file could have been retired in such a race).
-            if os.fstat(fd).st_size != file_size:
-                os.ftruncate(fd, file_size)
-        else:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
+        recycled = self._make_room(file_size, keep=key, claim_as=temp)  # reserves file_size until published
         try:
+            fd = _open_temp(temp, recycled)
             try:
-                write_all(fd, memoryview(header), payload)
+                # An evicted object's file has the size this store counted for it, unless another store replaced the
+                # object since with one of another size (and a free file could have been retired in such a race).
+                if recycled and os.fstat(fd).st_size != file_size:
+                    os.ftruncate(fd, file_size)
+                with buffers.held():
+                    digest = xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key)))
+                    write_all(fd, memoryview(encode_header(payload.nbytes, digest)), payload)
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -312,36 +315,43 @@ class ShmObjectStore:
             try:
                 _link(temp, path)
             except FileExistsError:
-                self._adopt_existing(key, path)
+                self._adopt_existing(key, path, reserved=file_size)
                 return False
+            with self._lock:
+                self._stats["bytes_written"] += payload.nbytes
+                self._stats["recycled"] += recycled
+            self._touch(key, file_size, reserved=file_size)
+            return True
+        except BaseException:
+            with self._lock:
+                self._used -= file_size
+            raise
         finally:
-            os.unlink(temp)
-        with self._lock:
-            self._stats["bytes_written"] += payload.nbytes
-            self._stats["recycled"] += recycled
-        self._touch(key, file_size)
-        return True
+            _unlink_quietly(temp)
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
         return self._read_verified(key, _read_bytes)
 
-    def get_into(self, key: bytes, buffer: bytearray | memoryview) -> int | None:
+    def get_into(self, key: bytes, buffer: bytearray | memoryview, buffers: CallerBuffers = UNHELD) -> int | None:
         """Read the payload of ``key`` into the start of ``buffer`` (no intermediate copy); its length, or None.
 
-        On None the first bytes of ``buffer`` may have been overwritten with data that failed its checksum.
+        On None the first bytes of ``buffer`` may have been overwritten with data that failed its checksum. ``buffer``
+        is written and checksummed under one hold of ``buffers``.
 
         Raises:
+            BuffersGone: the hold was refused; ``buffer`` was not touched.
             BufferTooSmallError: ``buffer`` is shorter than the payload (nothing is read; the object stays).
         """
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise TypeError("get_into needs a writable buffer (bytearray, writable memoryview, numpy array)")
-        payload = self._read_verified(key, lambda fd, length: _read_into(fd, target, length))
+        payload = self._read_verified(key, lambda fd, length: _read_into(fd, target, length), buffers)
         return None if payload is None else len(payload)
 
-    def _read_verified(self, key: bytes, read_payload) -> bytes | memoryview | None:
-        """Open ``key``'s file, check its header, read the payload with ``read_payload(fd, length)`` and verify it.
+    def _read_verified(self, key: bytes, read_payload, buffers: CallerBuffers = UNHELD) -> bytes | memoryview | None:
+        """Open ``key``'s file, check its header, read the payload with ``read_payload(fd, length)`` and verify it
+        (both under one hold of ``buffers``).
 
         A miss or a corrupt object (counted and removed) gives None.
         """
@@ -352,8 +362,10 @@ class ShmObjectStore:
             return self._miss(key)
         try:
             length, digest = self._read_header(fd)
-            payload = read_payload(fd, length)
-            if xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))) != digest:
+            with buffers.held():
+                payload = read_payload(fd, length)
+                intact = xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))) == digest
+            if not intact:
                 raise _Corrupt
             self._hit(key, length)
             return payload
@@ -482,7 +494,9 @@ class ShmObjectStore:
         return decoded
 
     def _make_room(self, incoming: int, keep: bytes, claim_as: str) -> bool:
-        """Make room for a file of ``incoming`` bytes; True when a file of that size now sits at ``claim_as``.
+        """Make room for a file of ``incoming`` bytes and reserve them in ``_used`` (concurrent puts then make room for
+        each other; the caller gives the reservation back, or turns it into the object's count with ``_touch``); True
+        when a file of that size now sits at ``claim_as``.
 
         The file comes from the free files if one has the size, else from an evicted object of that size. Room is
         made by dropping free files first (oldest first), then by evicting the least recently used objects.
@@ -504,6 +518,18 @@ class ShmObjectStore:
                 self._used -= size
                 victims.append((key, size))
             self._stats["evictions"] += len(victims)
+            self._used += incoming
+        try:
+            return self._drop(free_files, victims, incoming, claim_as, claimed)
+        except BaseException:
+            with self._lock:
+                self._used -= incoming
+            raise
+
+    def _drop(self, free_files: list[str], victims: list[tuple[bytes, int]], incoming: int, claim_as: str,
+              claimed: bool) -> bool:  # fmt: skip
+        """Unlink ``free_files`` and the ``victims``' files, or rename one victim of ``incoming`` bytes to
+        ``claim_as`` unless a file was ``claimed`` already; whether one sits there now."""
         for name in free_files:
             _unlink_quietly(os.path.join(self._free, name))
         for key, size in victims:
@@ -548,22 +574,27 @@ class ShmObjectStore:
         with self._lock:
             keep = self._pool_has_room(size)
             if keep:
-                name = self._unique_name(f"{size}-")
-                self._pool_file(name, size)  # reserved before the rename, so concurrent retires stay in budget
+                # Counted before the rename, so concurrent retires stay in budget, but claimable only after it: a put
+                # that claimed the name first would find no file and the rename would land one nobody counts.
+                self._pooled += size
         if not keep:
             try:
                 os.unlink(path)
                 return 1
             except FileNotFoundError:
                 return 0
+        name = self._unique_name(f"{size}-")
         try:
             os.rename(path, os.path.join(self._free, name))
-            return 1
-        except FileNotFoundError:
+        except BaseException as err:
             with self._lock:
-                if self._pool.pop(name, None) is not None:
-                    self._unpool(name, size)
-            return 0
+                self._pooled -= size
+            if isinstance(err, FileNotFoundError):
+                return 0
+            raise
+        with self._lock:
+            self._pool_file(name, size, counted=True)
+        return 1
 
     def _adopt_free_files(self) -> None:
         """Know the free files under the root (left by this or another store), within the budget; drop the rest."""
@@ -601,11 +632,13 @@ class ShmObjectStore:
         random part is the store's own, drawn once (the pid tells apart the stores of forked processes)."""
         return f"{prefix}{os.getpid()}-{next(self._temp_ids)}-{self._name_token}"
 
-    def _pool_file(self, name: str, size: int) -> None:
-        """Count a free file (the caller holds the lock)."""
+    def _pool_file(self, name: str, size: int, counted: bool = False) -> None:
+        """Know a free file, claimable from now on; ``counted``: its bytes are in ``_pooled`` already (the caller
+        holds the lock)."""
         self._pool[name] = size
         self._pool_by_size.setdefault(size, {})[name] = None
-        self._pooled += size
+        if not counted:
+            self._pooled += size
 
     def _unpool(self, name: str, size: int) -> None:
         """Stop counting a free file already popped from ``_pool`` (the caller holds the lock)."""
@@ -615,17 +648,23 @@ class ShmObjectStore:
             del self._pool_by_size[size]
         self._pooled -= size
 
-    def _adopt_existing(self, key: bytes, path: str) -> bool:
+    def _adopt_existing(self, key: bytes, path: str, reserved: int = 0) -> bool:
+        """Count the object at ``path`` if there is one (and give back ``reserved`` bytes either way)."""
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
-            return False
-        self._touch(key, size)
-        return True
+            size = None
+        self._touch(key, size, reserved)
+        return size is not None
 
-    def _touch(self, key: bytes, size: int) -> None:
+    def _touch(self, key: bytes, size: int | None, reserved: int = 0) -> None:
+        """Count ``key`` as most recently used with ``size`` file bytes (None: do not count it) and give back
+        ``reserved`` bytes of a put's reservation, in one step."""
         key = bytes(key)
         with self._lock:
+            self._used -= reserved
+            if size is None:
+                return
             previous = self._sizes.pop(key, None)
             if previous is not None:
                 self._used -= previous
@@ -706,6 +745,20 @@ def _read_into(fd: int, target: memoryview, length: int) -> memoryview:
 def _relative_path(key: bytes) -> str:
     """``<shard>/<name>`` of a key (base32 is slow in Python, and a key is looked up many times)."""
     return f"{shard_of(key)}/{object_name(key)}"
+
+
+def _open_temp(temp: str, recycled: bool) -> int:
+    """Open the temp file a put writes: the free file renamed there (``recycled``), dated now so that no store opening
+    the root takes it for a crashed writer's leftover by its old mtime, or a new file."""
+    if recycled:
+        fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.utime(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
 
 
 def _link(temp: str, path: str) -> None:

@@ -9,9 +9,14 @@ Store, lookup-and-lock and load tasks each run on their own small thread pool, o
 completes exactly once (success or failure) and signals its event fd: the job publishes its result in a ``finally``
 whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a watchdog thread
 fails tasks that run longer than the task timeout (marking the adapter unhealthy for ``unhealthy_for_s``). No submit,
-no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*: ``task.abandoned`` tells the tier's
-operation to stop before it touches the caller's next buffer, and whatever the job finds afterwards is dropped (the
-keys a late lookup locked are released again). ``close`` fails the tasks still pending after a grace period.
+no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*, and whatever the job finds
+afterwards is dropped (the keys a late lookup locked are released again). ``close`` fails the tasks still pending
+after a grace period.
+
+A tier touches the caller's buffers (LMCache's L1 memory) only under a hold from :meth:`TaskL2Adapter._buffers`
+(see :mod:`lmcache_r3.tiers.holds`): a hold is refused once the task was abandoned, and the watchdog does not fail a
+task while it holds one, so no byte is copied into or out of memory LMCache reused after a failure, and an object a
+store task publishes after it failed still holds the bytes it was given.
 
 Locks and accounting
 --------------------
@@ -44,9 +49,11 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
+from lmcache_r3.tiers.holds import CallerBuffers
+
 logger = init_logger(__name__)
 
-__all__ = ["COUNTERS", "KINDS", "Task", "TaskL2Adapter", "byte_view"]
+__all__ = ["COUNTERS", "KINDS", "Task", "TaskBuffers", "TaskL2Adapter", "byte_view"]
 
 KINDS = ("store", "lookup", "load")
 """Task kinds: each has its own thread pool, event fd and result registry."""
@@ -67,9 +74,32 @@ class Task:
     done: bool = False
     abandoned: bool = False
     """Failed by the watchdog (or by close): the job must stop touching the caller's buffers."""
-    holding_until: float = 0.0
-    """Until this ``time.monotonic()``, the watchdog leaves the task alone: the tier has a transfer into the caller's
-    memory in flight that it cannot stop, and failing the task would hand that memory back while it is written."""
+    holds: int = 0
+    """Holds taken on the caller's buffers (see :class:`TaskBuffers`): while any is, the watchdog leaves the task
+    alone, as failing it would hand memory back to LMCache while it is read or written."""
+
+
+class TaskBuffers(CallerBuffers):
+    """The caller's buffers of one task: a hold is refused once the task was abandoned, and while one is taken the
+    watchdog (which abandons tasks under ``lock``) leaves the task alone."""
+
+    def __init__(self, lock: threading.Lock, task: Task) -> None:
+        self._lock = lock
+        self._task = task
+
+    def cancelled(self) -> bool:
+        return self._task.abandoned
+
+    def hold(self) -> bool:
+        with self._lock:
+            if self._task.abandoned:
+                return False
+            self._task.holds += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._task.holds -= 1
 
 
 def byte_view(obj: Any) -> memoryview:
@@ -131,7 +161,7 @@ class TaskL2Adapter(L2AdapterInterface):
         """Write ``objects[i]`` under ``names[i]``; yield ``(i, size, written)`` for each object the tier now holds.
 
         ``written`` is the bytes this call wrote (0 when the object was there already). An index not yielded fails
-        the task. Stop at ``task.abandoned``, and remove an object published after it was set.
+        the task. Read ``objects`` only under a hold of ``self._buffers(task)``; stop when one is refused.
         """
 
     @abstractmethod
@@ -143,7 +173,8 @@ class TaskL2Adapter(L2AdapterInterface):
         self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any]
     ) -> Iterable[tuple[int, int | None]]:
         """Read ``names[i]`` into ``objects[i]``; yield ``(i, size)`` when the whole buffer was filled, ``(i, None)``
-        when the tier no longer has the object. An index not yielded is a miss. Stop at ``task.abandoned``."""
+        when the tier no longer has the object. An index not yielded is a miss. Write (and checksum) ``objects`` only
+        under a hold of ``self._buffers(task)``; stop when one is refused."""
 
     @abstractmethod
     def _remove(self, names: list[Hashable]) -> Iterable[Hashable]:
@@ -222,10 +253,9 @@ class TaskL2Adapter(L2AdapterInterface):
         except Exception:
             logger.exception("%s: signalling a %s completion failed", type(self).__name__, kind)
 
-    def _abandoned(self, task: Task) -> bool:
-        """``task.abandoned``, read under the lock the watchdog sets it under."""
-        with self._lock:
-            return task.abandoned
+    def _buffers(self, task: Task) -> TaskBuffers:
+        """The holds on ``task``'s buffers (see :mod:`lmcache_r3.tiers.holds`)."""
+        return TaskBuffers(self._lock, task)
 
     def _crashed(self, task: Task) -> None:
         """The tier raised out of a task's operation: count and log it (the job still completes the task)."""
@@ -434,7 +464,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     def _fail_stalled(self) -> None:
         now = time.monotonic()
-        stalled = lambda t: now - t.started > self._timeout and t.holding_until <= now  # noqa: E731
+        stalled = lambda t: now - t.started > self._timeout and not t.holds  # noqa: E731
         for task in self._abandon(stalled, stalled_at=now):
             logger.error(
                 "%s: %s task %d (%d keys) ran over %.1f s; failed by the watchdog",

@@ -267,7 +267,7 @@ def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapte
     import threading
 
     release = threading.Event()
-    monkeypatch.setattr(adapter._store, "get_into", lambda key, buf: release.wait(5) and None)
+    monkeypatch.setattr(adapter._store, "get_into", lambda key, buf, buffers: release.wait(5) and None)
     load = adapter.submit_load_task([_key(2)], [CallerBuffer(bytes(64))])
     assert _signalled(adapter.get_load_event_fd(), 3), "a stalled task was never completed"
     assert adapter.query_load_result(load).popcount() == 0
@@ -286,13 +286,13 @@ def test_a_big_task_copied_on_several_threads_comes_back_byte_equal_with_failure
         real_put = tier._store.put
         lanes: set[str] = set()
 
-        def put(name, data):
+        def put(name, data, buffers):
             import threading
 
             lanes.add(threading.current_thread().name)
             if name == tier._name(keys[4]):
                 raise OSError("injected")
-            return real_put(name, data)
+            return real_put(name, data, buffers)
 
         monkeypatch.setattr(tier._store, "put", put)
         store = tier.submit_store_task(keys, [CallerBuffer(v) for v in values])

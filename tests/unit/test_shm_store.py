@@ -278,6 +278,83 @@ def test_an_evicted_object_another_store_replaced_with_a_longer_one_is_rewritten
     assert first.get(b"c") == value_of(b"c", 1000)
 
 
+def test_a_put_racing_a_delete_for_the_free_file_leaves_no_file_the_store_does_not_count(root, monkeypatch):
+    """A delete counts the removed file against the recycling budget before renaming it into .free; a put of the same
+    size at that moment must not claim the name (it would find no file) and leave the renamed one uncounted."""
+    from lmcache_r3.tiers import shm_store
+
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", value_of(b"a"))
+    real_rename = os.rename
+    raced = []
+
+    def rename(source, target):
+        if not raced and os.path.dirname(str(target)) == str(root / ".free"):
+            raced.append(store.put(b"b", value_of(b"b")))  # same size, between the delete's count and its rename
+        real_rename(source, target)
+
+    monkeypatch.setattr(shm_store.os, "rename", rename)
+    assert store.delete([b"a"]) == 1
+    monkeypatch.setattr(shm_store.os, "rename", real_rename)
+    assert raced == [True] and store.get(b"b") == value_of(b"b")
+    on_disk = sum(entry.stat().st_size for entry in (root / ".free").iterdir())
+    assert on_disk == store.pooled_bytes() == HEADER.size + 4096, "a free file the store does not count"
+    store.put(b"c", value_of(b"c"))
+    assert store.stats()["recycled"] == 1 and list((root / ".free").iterdir()) == []
+
+
+def test_concurrent_puts_make_room_for_each_other(root):
+    """A put in progress already counts against the capacity: a second put meanwhile evicts to make room for both."""
+    import threading
+
+    from lmcache_r3.tiers.holds import CallerBuffers
+
+    class SlowCopy(CallerBuffers):  # the first put's copy waits until the second put is done
+        def __init__(self) -> None:
+            self.copying, self.go = threading.Event(), threading.Event()
+
+        def hold(self) -> bool:
+            self.copying.set()
+            self.go.wait(10)
+            return True
+
+    object_size = HEADER.size + 4096
+    store = ShmObjectStore(root, capacity_bytes=2 * object_size, recycle_bytes=0)
+    store.put(b"a", value_of(b"a"))
+    slow = SlowCopy()
+    first = threading.Thread(target=store.put, args=(b"b", value_of(b"b"), slow))
+    first.start()
+    assert slow.copying.wait(10)
+    store.put(b"c", value_of(b"c"))  # "a" and the two puts do not fit: "a" goes
+    slow.go.set()
+    first.join(10)
+    assert sorted(store.keys()) == [b"b", b"c"] and store.stats()["evictions"] == 1
+    assert store.usage() == (2 * object_size, 2 * object_size)
+    assert [store.get(key) for key in (b"b", b"c")] == [value_of(b"b"), value_of(b"c")]
+
+
+def test_a_free_file_rewritten_by_a_put_is_not_taken_for_a_crashed_writers_leftover(root, monkeypatch):
+    """A put rewrites a free file (maybe written long ago) under its temp name; a store opening the root meanwhile
+    removes temp files older than STALE_TEMP_SECONDS and must not take this one for a crashed writer's."""
+    from lmcache_r3.tiers import shm_store
+
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", value_of(b"a"))
+    store.delete([b"a"])
+    (free,) = (root / ".free").iterdir()
+    old = time.time() - 2 * shm_store.STALE_TEMP_SECONDS
+    os.utime(free, (old, old))
+    real_write_all = shm_store.write_all
+
+    def write_all(fd, *parts):
+        ShmObjectStore(root, capacity_bytes=MiB)  # another server starts on the root while this put writes
+        real_write_all(fd, *parts)
+
+    monkeypatch.setattr(shm_store, "write_all", write_all)
+    assert store.put(b"b", value_of(b"b")) and store.stats()["recycled"] == 1
+    assert store.get(b"b") == value_of(b"b")
+
+
 def test_recycle_bytes_zero_unlinks_removed_objects(root):
     store = ShmObjectStore(root, capacity_bytes=MiB, recycle_bytes=0)
     store.put(b"a", value_of(b"a"))

@@ -14,18 +14,22 @@ import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
 
+from lmcache_r3.tiers.holds import BuffersGone
 from lmcache_r3.tiers.task_adapter import COUNTERS, TaskL2Adapter, byte_view
 from tests.support.l2_tasks import completed
 
 
 class DictTier(TaskL2Adapter):
-    """A tier over a dict. ``failing`` names operations that raise; while ``gate`` is clear, operations block."""
+    """A tier over a dict. ``failing`` names operations that raise; while ``gate`` is clear, operations block; while
+    ``copy_gate`` is clear, a copy into or out of the caller's buffer blocks halfway (under its hold)."""
 
     def __init__(self, task_timeout_s: float = 0.3, drain_s: float = 0.5) -> None:
         self.objects: dict[str, bytes] = {}
         self.failing: set[str] = set()
         self.gate = threading.Event()
         self.gate.set()
+        self.copy_gate = threading.Event()
+        self.copy_gate.set()
         super().__init__(
             capacity_bytes=1 << 20,
             task_timeout_s=task_timeout_s,
@@ -44,14 +48,25 @@ class DictTier(TaskL2Adapter):
     def _name(self, key: ObjectKey) -> str:
         return f"{key.model_name}/{bytes(key.chunk_hash).hex()}"
 
+    def _copy(self, into, data) -> None:
+        half = len(data) // 2
+        into[:half] = data[:half]
+        self.copy_gate.wait(10)
+        into[half:] = data[half:]
+
     def _put(self, task, keys, names, objects):
+        buffers = self._buffers(task)
         for i, (name, obj) in enumerate(zip(names, objects, strict=True)):
             self._operation("put")
-            if self._abandoned(task):
-                return
             view = byte_view(obj)
+            data = bytearray(view.nbytes)
+            try:
+                with buffers.held():
+                    self._copy(data, view)
+            except BuffersGone:
+                return
             new = name not in self.objects
-            self.objects[name] = bytes(view)
+            self.objects[name] = bytes(data)
             yield i, view.nbytes, view.nbytes if new else 0
 
     def _find(self, task, keys, names):
@@ -59,17 +74,20 @@ class DictTier(TaskL2Adapter):
         return [i for i, name in enumerate(names) if name in self.objects]
 
     def _get(self, task, keys, names, objects):
+        buffers = self._buffers(task)
         for i, (name, obj) in enumerate(zip(names, objects, strict=True)):
             self._operation("get")
-            if self._abandoned(task):
-                return
             data = self.objects.get(name)
             if data is None:
                 yield i, None
                 continue
             view = byte_view(obj)
             if len(data) == view.nbytes:
-                view[:] = data
+                try:
+                    with buffers.held():
+                        self._copy(view, data)
+                except BuffersGone:
+                    return
                 yield i, len(data)
 
     def _remove(self, names):
@@ -172,6 +190,27 @@ def test_a_stalled_load_is_failed_by_the_watchdog_and_never_writes_into_the_buff
     time.sleep(0.2)
     assert bytes(byte_view(into)) == bytes(64), "an abandoned load wrote into the caller's buffer"
     assert tier.query_load_result(1) is None, "an abandoned task completed twice"
+
+
+def test_the_watchdog_never_fails_a_task_in_the_middle_of_a_copy_of_the_callers_buffer(tier, memory):
+    """A failed task's buffers go back to LMCache, which may reuse them at once: so a copy into (or out of) them runs
+    under a hold, and the watchdog fails the task only once no copy is under way, and then no further copy starts."""
+    payload = os.urandom(64)
+    assert store(tier, [key(1), key(2)], [memory(payload), memory(payload[::-1])]).is_successful()
+    tier.copy_gate.clear()  # the load's first copy stops halfway, past the 0.3 s task timeout
+    into = [memory(size=64), memory(size=64)]
+    task = tier.submit_load_task([key(1), key(2)], into)
+    time.sleep(1.0)
+    status = tier.report_status()
+    assert status["pending_tasks"] == 1 and status["counters"]["timeouts"] == 0, "a task failed mid-copy"
+    tier.gate.clear()  # the next object's operation stalls: outside any copy, so the watchdog fails the task now
+    tier.copy_gate.set()
+    assert completed(tier.get_load_event_fd(), lambda: tier.query_load_result(task)).popcount() == 0
+    assert tier.report_status()["counters"]["timeouts"] == 1
+    assert bytes(byte_view(into[0])) == payload, "the copy under way when the task ran over was cut short"
+    tier.gate.set()  # the stalled operation returns; the task was failed, so its second copy never starts
+    time.sleep(0.2)
+    assert bytes(byte_view(into[1])) == bytes(64), "a failed task copied into the caller's buffer"
 
 
 def test_a_stalled_lookup_that_returns_late_keeps_no_lock(tier, memory):
