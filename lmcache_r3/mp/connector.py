@@ -217,16 +217,17 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """
         tracker = self._get_request_tracker(request.request_id)
         kv_hit = tracker.num_lmcache_hit_tokens if result[0] else 0
-        if kv_hit <= num_computed_tokens:
-            self.routed.end_lookup(request)
-            return result
-        if self.routed.fetch_pending(request):
-            return None
-        joint = self.routed.joint_hit_end(request, kv_hit)
         # vLLM asks again when it could not allocate the request: LMCache reports the same locked hit, whose tail
         # past an earlier cut is already released (releasing it twice would strip other requests' locks).
         held_to = self._locks_held_to.get(request.request_id, kv_hit)
-        joint = min(joint, held_to)
+        if kv_hit <= num_computed_tokens:
+            self.routed.end_lookup(request)
+            if tracker.num_lmcache_hit_tokens > held_to:  # vLLM's own cache grew past the hit: nothing to load
+                tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = held_to
+            return result
+        if self.routed.fetch_pending(request):
+            return None
+        joint = min(self.routed.joint_hit_end(request, kv_hit), held_to)
         if joint >= kv_hit:
             return result
         self._free_locks(tracker, TokenRange(joint, held_to))
@@ -330,6 +331,11 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             if entry.direction == "STORE":  # submitted after this step's forward pass: a later step's flush waits
                 self._unflushed_store_blocks.update(_flat_block_ids(entry.op))
         self._unflushed_store_blocks -= {NULL_BLOCK_ID, planning.SKIPPED_BLOCK_ID}
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        if self.routed is not None:
+            self.routed.on_new_request(request.request_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """LMCache's cleanup; the returned params get the request's routed experts in this engine step.

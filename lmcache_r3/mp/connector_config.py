@@ -4,6 +4,7 @@ routed-experts switch and profile, and the KV group whose slots key the R3 slot 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from lmcache_r3.artifacts import R3Profile
@@ -45,7 +46,8 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
 
     Raises:
         ValueError: a hybrid model with ``lmcache.mp.mp_transfer_mode=engine_driven`` (the message names the mode
-            that works), or an ``lmcache_r3.r3_store_batch_steps`` that is not an integer in [0, 1024].
+            that works), an ``lmcache_r3.routed_experts`` that is not a boolean, an ``lmcache_r3.r3_timeout_s`` that
+            is not a positive number, or an ``lmcache_r3.r3_store_batch_steps`` that is not an integer in [0, 1024].
     """
     config = load_connector_config(extra_config)
     merged = stock_connector_extra_config(config, extra_config)
@@ -65,6 +67,15 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
     merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
     merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
     merged.setdefault(R3_STORE_BATCH_KEY, config.connector.r3_store_batch_steps)
+    if type(merged[ROUTED_EXPERTS_KEY]) is not bool:
+        switch = merged[ROUTED_EXPERTS_KEY]
+        raise ValueError(f"{ROUTED_EXPERTS_KEY} must be true or false (a JSON boolean), got {switch!r}")
+    timeout_s = merged[R3_TIMEOUT_KEY]
+    if type(timeout_s) not in (int, float) or not 0 < timeout_s < math.inf:
+        raise ValueError(
+            f"{R3_TIMEOUT_KEY} must be a number of seconds > 0 (the bound on each R3 call to the LMCache server), "
+            f"got {timeout_s!r}"
+        )
     batch_steps = merged[R3_STORE_BATCH_KEY]
     if type(batch_steps) is not int or not 0 <= batch_steps <= MAX_R3_STORE_BATCH_STEPS:
         raise ValueError(
@@ -102,7 +113,8 @@ def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True
     the worker roles stay quiet, so a deployment logs it once).
 
     Raises:
-        ValueError: vLLM's own ``enable_return_routed_experts`` is on as well (two capturers on one router).
+        ValueError: vLLM's own ``enable_return_routed_experts`` is on as well (two capturers on one router), or
+            pipeline parallelism (each stage captures only its own layers; the rows would be partly zero).
     """
     if vllm_config.aux_output_config.enable_return_routed_experts:
         raise ValueError(
@@ -119,6 +131,14 @@ def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True
             logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
                         model_config.model)  # fmt: skip
         return None
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        raise ValueError(
+            f"lmcache_r3 returns routed experts with tensor parallelism only, and this engine runs {stages} pipeline "
+            "stages: each stage's capture holds only its own layers, and rows missing the others would read as "
+            "routing to expert 0. Run with pipeline_parallel_size 1, or set "
+            '"lmcache_r3.routed_experts": false in kv_connector_extra_config.'
+        )
     return R3Profile(
         num_layers=model_config.get_total_num_hidden_layers(),
         top_k=model_config.get_num_experts_per_tok(),

@@ -67,6 +67,7 @@ R3_COUNTERS = (
     "store_failures",
     "requests_completed",
     "requests_incomplete",
+    "requests_local_only",
 )
 """What the routed-experts bookkeeping did (tests, logs, benchmarks)."""
 
@@ -101,6 +102,27 @@ class _RequestState:
     published_end: int = 0
     incomplete: str | None = None
     """Why this request's rows cannot be complete (sticky: its output then carries the reason, never rows)."""
+    local_only: bool = False
+    """Its chunks have no R3 key: LMCache keys the KV of multimodal inputs by the inputs' hashes, which the token ids
+    (all an R3 key holds) do not carry. Such a request neither fetches nor publishes R3: its LMCache hit is
+    recomputed, its rows (computed, or from vLLM's own prefix cache) are exact."""
+
+
+@dataclass
+class _Siblings:
+    """The children of one parallel-sampling request (vLLM's front end keeps only the last child's params)."""
+
+    rows: dict[str, str] = field(default_factory=dict)
+    """Per child index, its encoded rows: the dicts every child's params share."""
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)
+    """The indices of the children that have not ended yet."""
+
+
+def _child_of(request_id: str) -> tuple[str, str] | None:
+    """``(index, parent)`` of a parallel-sampling child's id (``"<index>_<parent>"``), else None."""
+    index, _, parent = request_id.partition("_")
+    return (index, parent) if index.isdigit() and parent else None
 
 
 @dataclass
@@ -131,8 +153,8 @@ class RoutedExpertsBook:
         self.counters = Counters(*R3_COUNTERS)
         self._requests: dict[str, _RequestState] = {}
         self._finishing: dict[str, _Finishing] = {}
-        self._siblings: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
-        """Parallel sampling: per parent request, the encoded rows and the token fingerprints of its children."""
+        self._siblings: dict[str, _Siblings] = {}
+        """Parallel sampling: per parent request, its children's rows and fingerprints, and those still to end."""
         self._stores: list[tuple[tuple[str, ...], R3Call]] = []
         self._fetch_queue: list[tuple[str, _PendingFetch]] = []
         self._next_step = 0
@@ -177,6 +199,12 @@ class RoutedExpertsBook:
         return True
 
     # -- lookup ----------------------------------------------------------------------------------------------
+    def on_new_request(self, request_id: str) -> None:
+        """vLLM added a request (all children of a parallel-sampling request arrive together, before any runs)."""
+        child = _child_of(request_id)
+        if child is not None:
+            self._siblings.setdefault(child[1], _Siblings()).live.add(child[0])
+
     def _state(self, request: Any) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
@@ -198,7 +226,10 @@ class RoutedExpertsBook:
         end = len(tokens) - len(tokens) % self.chunk_size
         state.fetch = _PendingFetch(start)
         state.fetched = None
-        if self._server_answers() and end > start:
+        if getattr(request, "mm_features", None) and not state.local_only:
+            state.local_only = True
+            self.counters.add("requests_local_only")
+        if self._server_answers() and end > start and not state.local_only:
             self.counters.add("fetches")
             state.fetch.spec = (list(tokens[:end]), start, end, request.cache_salt or "")
             self._fetch_queue.append((request.request_id, state.fetch))
@@ -454,7 +485,7 @@ class RoutedExpertsBook:
 
     def _publishable(self, state: _RequestState) -> StoreSpec | None:
         """The store of the R3 chunks whose KV is stored and whose rows are in: ``[published_end, end)``."""
-        if not self._server_answers() or state.store_start is None or state.incomplete:
+        if not self._server_answers() or state.store_start is None or state.incomplete or state.local_only:
             return None
         size = self.chunk_size
         request = state.request
@@ -478,9 +509,11 @@ class RoutedExpertsBook:
         return item
 
     def _reap_stores(self) -> None:
+        """Count the store calls answered or past their bound; a timeout pauses R3 stores and fetches (see
+        :meth:`_server_answers`), so a dead server does not pile up calls."""
         waiting = []
         for request_ids, call in self._stores:
-            if not call.done():
+            if call.pending():
                 waiting.append((request_ids, call))
                 continue
             try:
@@ -498,6 +531,8 @@ class RoutedExpertsBook:
         from vllm.v1.request import RequestStatus
 
         state = self._requests.get(request.request_id)
+        if state is None or request.status == RequestStatus.FINISHED_ABORTED:
+            self._child_ended(request.request_id)
         if state is None:
             return params
         if request.status == RequestStatus.FINISHED_ABORTED:
@@ -528,20 +563,31 @@ class RoutedExpertsBook:
                 self.counters.add("requests_incomplete")
                 params[ROUTED_EXPERTS_ERROR_KEY] = f"routed experts of request {request_id} are incomplete: {error}"
                 logger.error("lmcache_r3: %s", params[ROUTED_EXPERTS_ERROR_KEY])
+                self._child_ended(request_id)
                 continue
             self.counters.add("requests_completed")
             encoded = encode_routed_experts(routed)
             fingerprint = token_fingerprint(state.request.all_token_ids[: finishing.num_tokens])
             params[ROUTED_EXPERTS_KEY], params[FINGERPRINT_KEY] = encoded, fingerprint
-            index, _, parent = request_id.partition("_")
-            if index.isdigit() and parent:
+            child = _child_of(request_id)
+            if child is not None:
                 # The front end of parallel sampling keeps only the last child's params: every child carries the
                 # routing of the siblings finished so far, in dicts they share.
-                rows, fingerprints = self._siblings.setdefault(parent, ({}, {}))
-                rows[index], fingerprints[index] = encoded, fingerprint
-                params[SIBLINGS_KEY], params[SIBLING_FINGERPRINTS_KEY] = rows, fingerprints
-                if not any(other.endswith(f"_{parent}") for other in self._requests):
-                    del self._siblings[parent]  # the last child: the group lives on in the params only
+                group = self._siblings.setdefault(child[1], _Siblings())
+                group.rows[child[0]], group.fingerprints[child[0]] = encoded, fingerprint
+                params[SIBLINGS_KEY], params[SIBLING_FINGERPRINTS_KEY] = group.rows, group.fingerprints
+                self._child_ended(request_id)
+
+    def _child_ended(self, request_id: str) -> None:
+        """A parallel-sampling child ended (finished or aborted): the last one to end lets its group go (it lives on
+        in the params only)."""
+        child = _child_of(request_id)
+        group = self._siblings.get(child[1]) if child is not None else None
+        if group is None:
+            return
+        group.live.discard(child[0])
+        if not group.live:
+            del self._siblings[child[1]]
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state without output (aborted, or its lookup state reset)."""

@@ -32,7 +32,14 @@ from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
 from lmcache.v1.multiprocess.ext_server_module import ExtServerModuleBuildContext, server_module_handler
 
-from lmcache_r3.artifacts import FORMAT_VERSION, R3Profile, decode_run, encoded_nbytes
+from lmcache_r3.artifacts import (
+    FORMAT_VERSION,
+    ProfileMismatchError,
+    R3Profile,
+    UnsupportedVersionError,
+    decode_run,
+    encoded_nbytes,
+)
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import protocol
 
@@ -302,8 +309,10 @@ class R3ServerModule:
                 views = []
                 for key in keys:
                     obj = found.get(key)
-                    if obj is None:
-                        break  # absent, or vanished in between: the range's hit ends before it
+                    if obj is None or obj.get_size() != object_nbytes:
+                        # absent, vanished in between, or an object of another profile (another engine's, under the
+                        # same model name): the range's hit ends before it, and the object stays
+                        break
                     views.append(_read_object(obj, object_nbytes))  # a copy: the object may go once unlocked
                 runs.append(b"".join(views))
         finally:
@@ -351,7 +360,14 @@ class R3ServerModule:
             return 0, b""
         decoded = decode_run(run, profile, chunk_range.start, self.chunk_size)
         valid = len(decoded.chunks)
-        if decoded.error is not None and valid < len(run) // object_nbytes:
+        if isinstance(decoded.error, _NOT_DAMAGE):
+            logger.warning(
+                "lmcache_r3: the R3 object for tokens [%d, %d) is not readable by this request (%s); a miss, kept",
+                chunk_range.start + valid * self.chunk_size,
+                chunk_range.start + (valid + 1) * self.chunk_size,
+                decoded.error,
+            )
+        elif decoded.error is not None and valid < len(run) // object_nbytes:
             logger.warning(
                 "lmcache_r3: dropping damaged R3 object for tokens [%d, %d): %s",
                 chunk_range.start + valid * self.chunk_size,
@@ -390,6 +406,11 @@ class R3ServerModule:
                 return result
 
 
+_NOT_DAMAGE = (UnsupportedVersionError, ProfileMismatchError)
+"""Refusals of an intact object written for another format version or profile: a miss, never a reason to delete it
+(servers of two versions sharing a tier would delete each other's objects)."""
+
+
 def _layout(object_nbytes: int) -> MemoryLayoutDesc:
     return MemoryLayoutDesc(shapes=[torch.Size([object_nbytes])], dtypes=[torch.uint8])
 
@@ -412,14 +433,23 @@ def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None
     """A prefetch we stopped waiting for still takes read locks when it finishes: release them then."""
 
     def release() -> None:
-        deadline = time.monotonic() + 300.0
-        while time.monotonic() < deadline:
-            storage.wait_prefetch_status(handle, 1.0)
-            result = storage.query_prefetch_status(handle)
-            if result is not None:
-                hits = [keys[i] for i in result.hit_cells[0].get_indices_list()] if result.hit_cells else []
-                if hits:
-                    storage.finish_read_prefetched(hits, read_locks=1, l1_owners=result.l1_owners)
+        began = time.monotonic()
+        warned = False
+        while True:  # however long the tiers take: the locks it takes must not outlive it
+            try:
+                storage.wait_prefetch_status(handle, 1.0)
+                result = storage.query_prefetch_status(handle)
+                if result is not None:
+                    hits = [keys[i] for i in result.hit_cells[0].get_indices_list()] if result.hit_cells else []
+                    if hits:
+                        storage.finish_read_prefetched(hits, read_locks=1, l1_owners=result.l1_owners)
+                    return
+            except Exception:
+                logger.exception("lmcache_r3: releasing the locks of an abandoned R3 prefetch failed; they stay")
                 return
+            if not warned and time.monotonic() - began > 300.0:
+                warned = True
+                logger.error("lmcache_r3: an abandoned R3 prefetch of %d objects is still running after 300 s; "
+                             "its read locks are released when it ends (check the L2 tiers)", len(keys))  # fmt: skip
 
     threading.Thread(target=release, name="lmcache_r3-prefetch-release", daemon=True).start()

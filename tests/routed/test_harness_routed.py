@@ -519,3 +519,44 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
     adapter.cleanup_lookup_result("holder")
     assert wait_locks(server, 0) == 0, "the aborted, never admitted request kept its lock on the first chunk"
+
+
+def test_a_cut_hit_asked_again_after_the_local_hit_grew_past_it_releases_its_tail_only_once(
+    own_r3_server, scheduler_harness_factory
+):
+    """vLLM asks again for a request it could not allocate; meanwhile vLLM's own cache may have come to cover the whole
+    KV hit (a sibling computed the prompt). LMCache then reports its full locked hit again, and the admission must not
+    release the tail past the joint hit a second time: that would strip another reader's locks (``holder``)."""
+    from vllm.v1.request import RequestStatus
+
+    from lmcache_r3.mp.r3_client import R3Client
+    from tests.connector.test_admission import AllocatedBlocks
+
+    server = own_r3_server
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    connector = harness.scheduler.connector
+    adapter = connector.scheduler_adapter
+    tokens = prompt(4 * CHUNK + 9, seed=14)
+    harness.generate([("first", tokens)], max_tokens=3)
+    harness.settle_stores()
+    with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
+        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
+    adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
+    kv_lookup_answer(adapter, "holder")
+    assert wait_locks(server, 4) == 4
+
+    request = harness.make_request("waiting", tokens)
+    assert lookup(connector, request)[0] == CHUNK  # KV for 4 chunks, R3 for 1: 3 chunks released
+    local = 4 * CHUNK  # vLLM's own cache now covers the whole KV hit
+    deadline = time.monotonic() + 20
+    while (answer := connector.get_num_new_matched_tokens(request, local))[0] is None:
+        assert time.monotonic() < deadline, "the second ask did not answer"
+        time.sleep(0.01)
+    assert answer == (0, False)
+    connector.update_state_after_alloc(request, AllocatedBlocks([list(range(1, 6))]), 0)
+    assert locks_stay(server, 4) == 4, "the tail was released twice: the holder lost its locks"
+    adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
+    adapter.cleanup_lookup_result("holder")
+    assert wait_locks(server, 0) == 0, "a lock of the admitted request was left behind"
+    request.status = RequestStatus.FINISHED_ABORTED
+    harness.finish_by_hand(request, [])

@@ -31,6 +31,7 @@ class Request:
     num_computed_tokens: int = 0
     cache_salt: str | None = None
     status: str = "RUNNING"
+    mm_features: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +147,69 @@ def test_finished_request_returns_every_position_from_the_mirror(book):
     assert params["lmcache_r3_sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 70}
 
 
+def test_a_request_with_multimodal_inputs_never_fetches_or_publishes_r3_and_returns_its_own_rows(book, r3_server):
+    # LMCache keys the KV of an image prompt by the image's hash; an R3 key holds only token ids, the same placeholder
+    # ids for every image. So such a request fetches no R3 (its LMCache hit is recomputed) and publishes none (another
+    # image's prompt would be served its rows), while its own rows stay exact.
+    from lmcache_r3.artifacts import encode_run
+
+    tokens = list(range(21000, 21000 + 2 * CHUNK + 6))
+    book.client.store(tokens, 0, encode_run(PROFILE, 0, rows(0, 2 * CHUNK, salt=5), CHUNK), 2 * CHUNK).result()
+    assert fetched_chunks(book.client, tokens, 2) == 2  # R3 of an earlier prompt with the same token ids
+    request = Request("with-image", list(tokens), mm_features=["an image"])
+    fetches, calls = book.counters.snapshot()["fetches"], r3_server.status()["lmcache_r3"]["fetch_calls"]
+    book.begin_lookup(request, 0)
+    book.send_fetches()
+    assert book.joint_hit_end(request, 2 * CHUNK) == 0, "R3 keyed by token ids served an image prompt"
+    assert book.counters.snapshot()["fetches"] == fetches
+    assert r3_server.status()["lmcache_r3"]["fetch_calls"] == calls
+    book.end_lookup(request)
+    book.on_store(request.request_id, 0, 2 * CHUNK)
+    new = NewRequest(request.request_id, (list(BLOCKS),))
+    step = book.on_schedule(SchedulerOutput({request.request_id: len(tokens)}, [new]), group=0)
+    request.num_computed_tokens = len(tokens)
+    request.all_token_ids.append(7)
+    book.on_worker_output(worker_output(step, 0, len(tokens)))
+    request.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())
+    book.settle(5)
+    np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, len(tokens)))
+    assert book.counters.snapshot()["chunks_published"] == 0 and book.counters.snapshot()["requests_local_only"] == 1
+    (first, _) = decode_run(book.client.fetch(tokens).result().objects, PROFILE, 0, CHUNK).chunks
+    np.testing.assert_array_equal(first.rows, rows(0, CHUNK, salt=5))  # the earlier prompt's R3, unchanged
+
+
+def test_parallel_sampling_children_carry_every_siblings_rows_and_the_last_to_end_releases_the_group(book):
+    # vLLM adds every child at once but runs them as room allows, and its front end keeps only the last child's params:
+    # those must hold every finished sibling's rows, however late a child started, and the group must not outlive
+    # its children, also when the last one is aborted (a stop string) before it ran.
+    from vllm.v1.request import RequestStatus
+
+    from lmcache_r3.output import SIBLINGS_KEY
+
+    ids = [f"{index}_group" for index in range(4)]
+    for request_id in ids:
+        book.on_new_request(request_id)
+    params = {}
+    for index, request_id in enumerate(ids[:3]):  # one after the other: the later ones not even looked up before
+        request = Request(request_id, list(range(800, 840)) + [index])
+        step = start_request(book, request, 41)
+        request.num_computed_tokens = 41
+        request.all_token_ids.append(7)
+        book.on_worker_output(worker_output(step, 0, 41, salt=index))
+        request.status = "FINISHED_LENGTH_CAPPED"
+        params[request_id] = book.request_finished(request, None)
+        book.on_worker_output(R3WorkerMetadata())
+    assert "group" in book._siblings, "a group let go while a child is still to come"
+    book.request_finished(Request(ids[3], [1, 2, 3], status=RequestStatus.FINISHED_ABORTED), None)
+    assert book._siblings == {}, "a parallel-sampling group outlived its children"
+    siblings = params[ids[2]][SIBLINGS_KEY]
+    assert sorted(siblings) == ["0", "1", "2"]
+    for index in range(3):
+        np.testing.assert_array_equal(decode_routed_experts(siblings[str(index)]), rows(0, 41, salt=index))
+
+
 def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):
     from lmcache_r3.artifacts import encode_run
 
@@ -206,6 +270,34 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
             assert book.joint_hit_end(request, 2 * CHUNK) == 0  # no wait: the bound has passed
             assert book.counters.snapshot()["fetch_failures"] == 1
         assert not book.fetch_pending(request)  # answered once; vLLM's next ask reuses it
+    finally:
+        client.close()
+
+
+def test_a_store_a_stalled_server_never_answers_fails_at_its_bound_and_pauses_r3_calls(r3_server):
+    # A dead server answers no store: each one is counted failed once its bound passes and R3 calls pause (as after a
+    # fetch timeout), instead of piling up unanswered for as long as the server is gone.
+    import os
+    import signal
+    import time
+
+    client = R3Client(r3_server.url, "stalled-store-model", PROFILE, timeout_s=0.5)
+    book = RoutedExpertsBook(PROFILE, CHUNK, BLOCK, num_blocks=64, client=client, fetch_timeout_s=0.5)
+    try:
+        request = Request("stalled-store", list(range(19000, 19000 + CHUNK + 4)))
+        step = start_request(book, request, CHUNK + 4, store_end=CHUNK)
+        request.num_computed_tokens = CHUNK + 4
+        os.kill(r3_server.pid, signal.SIGSTOP)
+        try:
+            book.on_worker_output(worker_output(step, 0, CHUNK + 4))  # chunk 0 complete: its store goes out
+            assert len(book._stores) == 1 and book._server_answers()
+            time.sleep(0.8)  # past the bound
+            book.on_worker_output(R3WorkerMetadata())
+            assert book._stores == [], "a store past its bound is still waited for"
+            assert book.counters.snapshot()["store_failures"] == 1
+            assert not book._server_answers(), "R3 calls go on to a server that stopped answering"
+        finally:
+            os.kill(r3_server.pid, signal.SIGCONT)
     finally:
         client.close()
 

@@ -232,14 +232,29 @@ def test_one_malformed_item_refuses_the_whole_store_many_call(client):
     assert client.lookup(good).result().num_hit_chunks == 0
 
 
-def test_objects_of_another_profile_under_the_same_key_are_a_miss(client, r3_server):
-    tokens, rows = tokens_for(9, CHUNK), rows_for(9, CHUNK)
+@pytest.mark.parametrize(
+    "other",
+    [
+        R3Profile(num_layers=4, top_k=2, num_experts=16),  # objects of the same size
+        R3Profile(num_layers=8, top_k=2, num_experts=8),  # bigger: never read past the stored object
+        R3Profile(num_layers=2, top_k=2, num_experts=8),  # smaller
+    ],
+    ids=["same-size", "bigger", "smaller"],
+)
+def test_objects_of_another_profile_under_the_same_key_are_a_miss_and_stay(client, r3_server, other):
+    # Two engines deriving different profiles for one model name: each misses the other's objects, and neither
+    # deletes them as damaged.
+    seed = 9 + other.num_layers + other.num_experts
+    tokens, rows = tokens_for(seed, CHUNK), rows_for(seed, CHUNK)
     store_rows(client, tokens, rows)
     assert wait_for_hit(client, tokens, 1) == 1
-    other = R3Profile(num_layers=4, top_k=2, num_experts=16)
+    damaged = r3_server.status()["lmcache_r3"]["damaged_objects"]
     with R3Client(r3_server.url, MODEL, other) as reader:
         assert reader.lookup(tokens).result().num_hit_chunks == 0
         assert reader.fetch(tokens).result().objects == b""
+    assert r3_server.status()["lmcache_r3"]["damaged_objects"] == damaged, "an intact object was taken for damaged"
+    (chunk,) = decode_run(client.fetch(tokens).result().objects, PROFILE, 0, CHUNK).chunks
+    np.testing.assert_array_equal(chunk.rows, rows)
 
 
 def test_eight_concurrent_clients_on_overlapping_prefixes_only_ever_read_what_was_stored(own_r3_server):

@@ -7,6 +7,8 @@ import pytest
 from lmcache_r3.mp.connector_config import (
     LAZY_OFFLOAD_KEY,
     R3_STORE_BATCH_KEY,
+    R3_TIMEOUT_KEY,
+    ROUTED_EXPERTS_KEY,
     SEPARATE_GROUPS_KEY,
     TRANSFER_MODE_KEY,
     refuse_lazy_offload,
@@ -102,3 +104,25 @@ def test_a_bad_r3_store_batch_steps_in_the_file_names_the_field(tmp_path):
     file.write_text("connector: {r3_store_batch_steps: -2}\n")
     with pytest.raises(ValueError, match="r3_store_batch_steps"):
         resolve_extra_config({"lmcache_r3.config_file": str(file)}, groups(1))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "refusal"),
+    [
+        pytest.param(ROUTED_EXPERTS_KEY, "false", "must be true or false", id="switch-as-a-string"),
+        pytest.param(ROUTED_EXPERTS_KEY, 1, "must be true or false", id="switch-as-a-number"),
+        pytest.param(R3_TIMEOUT_KEY, 0, "must be a number of seconds > 0", id="zero-timeout"),
+        pytest.param(R3_TIMEOUT_KEY, -1.0, "got -1.0", id="negative-timeout"),
+        pytest.param(R3_TIMEOUT_KEY, float("nan"), "got nan", id="nan-timeout"),
+        pytest.param(R3_TIMEOUT_KEY, "5", "got '5'", id="timeout-as-a-string"),
+        pytest.param(R3_TIMEOUT_KEY, 2.5, None, id="fractional-timeout-accepted"),
+        pytest.param(ROUTED_EXPERTS_KEY, False, None, id="switch-off-accepted"),
+    ],
+)
+def test_a_bad_routed_experts_switch_or_r3_timeout_is_refused_naming_the_key(key, value, refusal):
+    # "false" as a string would be truthy: routed experts would stay on while the user asked them off.
+    if refusal is None:
+        assert resolve_extra_config({key: value}, groups(1))[key] == value
+        return
+    with pytest.raises(ValueError, match=f"{key}.*{refusal}"):
+        resolve_extra_config({key: value}, groups(1))

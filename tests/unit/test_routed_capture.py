@@ -85,6 +85,16 @@ def test_profile_of_a_moe_model_and_refusal_next_to_vllms_own_routed_experts(vll
         routed_experts_profile(vllm_config, enabled=True)
 
 
+def test_pipeline_parallelism_is_refused_while_routed_experts_are_on(vllm_config):
+    # Each pipeline stage captures only its own layers: the rows of one stage's report would be zero elsewhere.
+    from lmcache_r3.mp.connector_config import routed_experts_profile
+
+    vllm_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1.*routed_experts.*false"):
+        routed_experts_profile(vllm_config, enabled=True)
+    assert routed_experts_profile(vllm_config, enabled=False) is None
+
+
 def test_cpu_without_enforce_eager_is_refused_with_the_fix(vllm_config):
     vllm_config.model_config.enforce_eager = False
     with pytest.raises(CaptureError, match="--enforce-eager"):
