@@ -198,6 +198,19 @@ class SlotMirror:
         rows = self._rows.reshape(self.num_blocks, size, *self.profile.row_shape)[table]
         return rows.reshape(-1, *self.profile.row_shape)[cut]
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy every slot's row and written flag of block ``src`` to block ``dst``, per ``(src, dst)`` in order (the
+        rows of a block vLLM copied on write, as its KV was)."""
+        self._apply_queued()
+        pairs = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
+        if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
+            raise SlotMirrorError(f"block ids must be in [0, {self.num_blocks}), got {pairs.tolist()}")
+        rows = self._rows.reshape(self.num_blocks, self.block_size, *self.profile.row_shape)
+        written = self._written.reshape(self.num_blocks, self.block_size)
+        for src, dst in pairs:
+            rows[dst] = rows[src]
+            written[dst] = written[src]
+
     def forget_blocks(self, block_ids: np.ndarray | Sequence[int]) -> None:
         """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
         self._apply_queued()

@@ -158,6 +158,9 @@ class RoutedExpertsBook:
         self._stores: list[tuple[tuple[str, ...], R3Call]] = []
         self._fetch_queue: list[tuple[str, _PendingFetch]] = []
         self._next_step = 0
+        self._copies: dict[int, list[tuple[int, int]]] = {}
+        """Per step, the ``(src, dst)`` blocks vLLM copies on write before it (a hit ending inside a block): applied to
+        the mirror once the earlier steps' rows are in, before the step's own."""
         self._in_flight: dict[int, Any] = {}
         """Per step sent to the worker for capture, its ``num_scheduled_tokens`` (the requests it computes)."""
         self._reported = -1
@@ -325,6 +328,9 @@ class RoutedExpertsBook:
             self.send_fetches()  # the lookups of this engine step are done: one call fetches all their R3
         step = self._next_step
         self._next_step += 1
+        copies = [(copy.src_block_id, copy.dst_block_id) for copy in scheduler_output.kv_cache_block_copies or ()]
+        if copies:
+            self._copies[step] = copies
         fresh: list[int] = []
         starting: list[tuple[_RequestState, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -355,9 +361,14 @@ class RoutedExpertsBook:
         for state, computed, local_end in restarts:
             self._restore_rows(state, computed, local_end)
         if not scheduler_output.num_scheduled_tokens or not self._requests:
-            return None
+            return None  # its copies are applied with the next step's rows
         self._in_flight[step] = scheduler_output.num_scheduled_tokens
         return step
+
+    def _apply_copies(self, through: int) -> None:
+        """Apply the block copies of every step up to ``through``, in step order."""
+        for step in sorted(step for step in self._copies if step <= through):
+            self.mirror.copy_blocks(self._copies.pop(step))
 
     def _hit_blocks(self, num_hit_tokens: int) -> int:
         """Blocks holding tokens of vLLM's own hit (a partly filled last block counts: its slots are written)."""
@@ -420,6 +431,8 @@ class RoutedExpertsBook:
 
     def _take_step(self, meta: R3WorkerMetadata) -> None:
         step = meta.step
+        if self._copies:
+            self._apply_copies(step)
         if meta.capture_error:
             logger.error("lmcache_r3: routed experts not captured: %s", meta.capture_error)
             self._refuse_step(step, f"the routing of engine step {step} was not captured")

@@ -58,6 +58,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequests = field(default_factory=CachedRequests)
+    kv_cache_block_copies: list | None = None
 
 
 def rows(start: int, end: int, salt: int = 0) -> np.ndarray:
@@ -208,6 +209,38 @@ def test_parallel_sampling_children_carry_every_siblings_rows_and_the_last_to_en
     assert sorted(siblings) == ["0", "1", "2"]
     for index in range(3):
         np.testing.assert_array_equal(decode_routed_experts(siblings[str(index)]), rows(0, 41, salt=index))
+
+
+def test_a_prefix_hit_ending_inside_a_block_copied_on_write_returns_the_source_blocks_rows(book):
+    # With sub-block prefix hits (hybrid models with aligned Mamba state), vLLM does not share the block a hit ends in:
+    # it gives the request a fresh block and copies the cached one's KV into it before the step. The fresh block
+    # still holds its previous occupant's rows in the mirror; the request must get the source block's.
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    first = Request("source", list(range(900, 970)))
+    step = start_request(book, first, 70)
+    first.num_computed_tokens = 70
+    book.on_worker_output(worker_output(step, 0, 70))
+    stale = np.asarray([20]) * BLOCK + np.arange(BLOCK)
+    book.mirror.write(stale, rows(0, BLOCK, salt=7))  # block 20's previous occupant
+    second = Request("copy-on-write", list(range(900, 940)) + list(range(5000, 5030)))
+    book.begin_lookup(second, 40)
+    book.end_lookup(second)
+    table = [BLOCKS[0], 20, 21]
+    new = NewRequest(second.request_id, (table,), num_computed_tokens=40)
+    output = SchedulerOutput({second.request_id: 30}, [new], kv_cache_block_copies=[KVCacheBlockCopy(BLOCKS[1], 20)])
+    step = book.on_schedule(output, group=0)
+    second.num_computed_tokens = 70
+    second.all_token_ids.append(7)
+    positions = np.arange(40, 70)
+    computed = np.asarray(table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    book.on_worker_output(R3WorkerMetadata(step=step, slots=computed, rows=rows(40, 70, salt=2)))
+    second.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(second, None)
+    book.on_worker_output(R3WorkerMetadata())
+    returned = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+    np.testing.assert_array_equal(returned[:40], rows(0, 40))  # vLLM's hit: the source's rows, none of block 20's
+    np.testing.assert_array_equal(returned[40:], rows(40, 70, salt=2))
 
 
 def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):
