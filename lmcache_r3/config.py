@@ -71,6 +71,10 @@ class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Store and return routed experts; off means a plain KV cache (the connector behaves as stock)."""
     namespace: str = "##r3"
     """Suffix appended to the model name of R3 objects, so KV lookups and KV events never see them."""
+    tier_timeout_s: PositiveSeconds = 4.0
+    """Longest the server waits for the L2 tiers to bring R3 objects into L1 for one lookup or fetch (past it the
+    answer is a miss). Keep it below ``connector.r3_timeout_s``: the connector stops waiting then, and a server thread
+    kept waiting longer is one KV lookups lack."""
 
     def __post_init__(self) -> None:
         if not self.namespace or any(c in self.namespace for c in "@/\\\0"):
@@ -111,6 +115,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     connector: ConnectorConfig = msgspec.field(default_factory=ConnectorConfig)
 
     def __post_init__(self) -> None:
+        if self.r3.enabled and self.r3.tier_timeout_s >= self.connector.r3_timeout_s:
+            raise ValueError(
+                f"r3.tier_timeout_s ({self.r3.tier_timeout_s}) must be below connector.r3_timeout_s "
+                f"({self.connector.r3_timeout_s}): the connector gives up on an R3 call then, and the server would "
+                "keep a thread waiting for the tiers after nobody waits for the answer"
+            )
         for index, tier in enumerate(self.tiers):
             kind = tier.get("type")
             if not isinstance(kind, str) or not kind:

@@ -219,14 +219,15 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         kv_hit = tracker.num_lmcache_hit_tokens if result[0] else 0
         # vLLM asks again when it could not allocate the request: LMCache reports the same locked hit, whose tail
         # past an earlier cut is already released (releasing it twice would strip other requests' locks).
-        held_to = self._locks_held_to.get(request.request_id, kv_hit)
+        held_to = self._locks_held_to.get(request.request_id)
         if kv_hit <= num_computed_tokens:
             self.routed.end_lookup(request)
-            if tracker.num_lmcache_hit_tokens > held_to:  # vLLM's own cache grew past the hit: nothing to load
+            if held_to is not None and tracker.num_lmcache_hit_tokens > held_to:  # vLLM's own cache grew past it
                 tracker.num_lmcache_hit_tokens = tracker.num_stored_tokens = held_to
             return result
         if self.routed.fetch_pending(request):
             return None
+        held_to = kv_hit if held_to is None else held_to
         joint = min(self.routed.joint_hit_end(request, kv_hit), held_to)
         if joint >= kv_hit:
             return result

@@ -502,8 +502,9 @@ class RoutedExpertsBook:
             return None
         size = self.chunk_size
         request = state.request
-        # Tokens past num_computed_tokens ran on speculative drafts vLLM rejected: never published.
-        end = min(state.kv_store_end, request.num_computed_tokens)
+        # Tokens past num_computed_tokens ran on speculative drafts vLLM rejected: never published. Tokens of steps
+        # still in flight (async scheduling) have no rows yet: after a preemption their blocks may be new ones.
+        end = min(state.kv_store_end, request.num_computed_tokens - request.num_in_flight_tokens)
         end -= end % size
         start = state.published_end
         item = None

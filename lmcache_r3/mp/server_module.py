@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -100,12 +101,17 @@ class R3ServerModule:
     """Store, look up, fetch and delete R3 objects; see the module docstring."""
 
     def __init__(self, server_context: Any, config: dict[str, Any]) -> None:
-        unknown = set(config) - {"namespace", "prefetch_timeout_s"}
+        unknown = set(config) - {"namespace", "tier_timeout_s"}
         if unknown:
             raise ValueError(f"lmcache_r3 server module: unknown config keys {sorted(unknown)}")
         self._ctx = server_context
         self.namespace = str(config.get("namespace", "##r3"))
-        self.prefetch_timeout_s = float(config.get("prefetch_timeout_s", 10.0))
+        self.prefetch_timeout_s = config.get("tier_timeout_s", 4.0)
+        if type(self.prefetch_timeout_s) not in (int, float) or not 0 < self.prefetch_timeout_s < math.inf:
+            raise ValueError(
+                "lmcache_r3 server module: tier_timeout_s must be a number of seconds > 0 (below the connector's "
+                f"r3_timeout_s), got {self.prefetch_timeout_s!r}"
+            )
         if not self.namespace or "@" in self.namespace:
             raise ValueError(f"lmcache_r3 server module: namespace {self.namespace!r} must be non-empty, without '@'")
         self.counters = Counters(*SERVER_COUNTERS)

@@ -175,15 +175,19 @@ def loopback_settings(**overrides: Any) -> ServerSettings:
     return ServerSettings(**ports)
 
 
-def r3_server_module_spec(namespace: str) -> dict[str, Any]:
-    """The ``--server-module`` JSON object that loads the R3 chunk type with ``namespace``."""
-    return {"module_path": R3_SERVER_MODULE, "factory_name": "build_server_modules", "config": {"namespace": namespace}}
+def r3_server_module_spec(namespace: str, tier_timeout_s: float | None = None) -> dict[str, Any]:
+    """The ``--server-module`` JSON object that loads the R3 chunk type with ``namespace`` (and the module's own
+    default bound on the tiers unless ``tier_timeout_s`` is given)."""
+    config: dict[str, Any] = {"namespace": namespace}
+    if tier_timeout_s is not None:
+        config["tier_timeout_s"] = tier_timeout_s
+    return {"module_path": R3_SERVER_MODULE, "factory_name": "build_server_modules", "config": config}
 
 
 def settings_from_config(config) -> ServerSettings:
     """:class:`ServerSettings` for the ``server``, ``tiers`` and ``r3`` sections of a ``Config``."""
     server = config.server
-    modules = (r3_server_module_spec(config.r3.namespace),) if config.r3.enabled else ()
+    modules = (r3_server_module_spec(config.r3.namespace, config.r3.tier_timeout_s),) if config.r3.enabled else ()
     return ServerSettings(
         port=server.port,
         http_port=server.http_port,

@@ -32,6 +32,7 @@ class Request:
     cache_salt: str | None = None
     status: str = "RUNNING"
     mm_features: list = field(default_factory=list)
+    num_in_flight_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -241,6 +242,47 @@ def test_a_prefix_hit_ending_inside_a_block_copied_on_write_returns_the_source_b
     returned = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
     np.testing.assert_array_equal(returned[:40], rows(0, 40))  # vLLM's hit: the source's rows, none of block 20's
     np.testing.assert_array_equal(returned[40:], rows(40, 70, salt=2))
+
+
+def test_a_store_of_a_request_preempted_before_its_rows_came_waits_for_the_rows_it_recomputes(book):
+    # Async scheduling: a request stores chunk 1's KV in step 1, is preempted before step 1 reports, and resumes in
+    # step 2 with vLLM's hit of chunk 0 in a new block table. When step 1's rows arrive, chunk 1's R3 is due, but its
+    # new blocks hold no rows until step 2 reports: the publish waits for them, and the output has every row.
+    request = Request("preempted", list(range(30000, 30133)))
+    request_id = request.request_id
+    step0 = start_request(book, request, 74, store_end=CHUNK)
+    request.num_computed_tokens = 74
+    book.on_worker_output(worker_output(step0, 0, 74))
+    book.on_store(request_id, CHUNK, 2 * CHUNK)
+    step1 = book.on_schedule(
+        SchedulerOutput({request_id: 59}, [], CachedRequests([request_id], [None], set(), [74])), 0
+    )
+    request.num_computed_tokens, request.num_in_flight_tokens = 133, 59
+    request.num_computed_tokens = 0  # preempted with step 1 in flight
+    table = [BLOCKS[0], BLOCKS[1], 30, 31, 32]
+    book.begin_lookup(request, CHUNK)
+    book.end_lookup(request)
+    resumed = CachedRequests([request_id], [(table,)], {request_id}, [CHUNK])
+    step2 = book.on_schedule(SchedulerOutput({request_id: 69}, [], resumed), 0)
+    request.num_computed_tokens, request.num_in_flight_tokens = 133, 59 + 69
+    request.num_in_flight_tokens -= 59
+    book.on_worker_output(worker_output(step1, 74, 133))  # rows for the blocks it had then
+    request.num_in_flight_tokens -= 69
+    positions = np.arange(CHUNK, 133)
+    slots_now = np.asarray(table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    book.on_worker_output(R3WorkerMetadata(step=step2, slots=slots_now, rows=rows(CHUNK, 133, salt=4)))
+    request.all_token_ids.append(7)
+    request.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())
+    assert ROUTED_EXPERTS_ERROR_KEY not in params, params.get(ROUTED_EXPERTS_ERROR_KEY)
+    returned = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
+    np.testing.assert_array_equal(returned[:CHUNK], rows(0, CHUNK))
+    np.testing.assert_array_equal(returned[CHUNK:], rows(CHUNK, 133, salt=4))
+    book.settle(5)
+    assert fetched_chunks(book.client, request.all_token_ids, 2) == 2
+    chunks = decode_run(book.client.fetch(request.all_token_ids).result().objects, PROFILE, 0, CHUNK).chunks
+    np.testing.assert_array_equal(chunks[1].rows, rows(CHUNK, 2 * CHUNK, salt=4))
 
 
 def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):

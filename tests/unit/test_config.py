@@ -49,6 +49,12 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
         pytest.param({"tiers": [{"base_path": "/x"}]}, "tiers[0] has no 'type'", id="tier-type"),
         pytest.param({"connector": {"server_url": "localhost"}}, "must look like tcp://127.0.0.1:5555", id="url"),
         pytest.param({"connector": {"r3_timeout_s": 0}}, "connector.r3_timeout_s: expected a number > 0", id="timeout"),
+        pytest.param({"r3": {"tier_timeout_s": -1}}, "r3.tier_timeout_s: expected a number > 0", id="tier-timeout"),
+        pytest.param(
+            {"r3": {"tier_timeout_s": 6}, "connector": {"r3_timeout_s": 5}},
+            "r3.tier_timeout_s (6.0) must be below connector.r3_timeout_s (5.0)",
+            id="tier-timeout-past-the-connectors",
+        ),
         pytest.param([1, 2], "the top level must be a mapping, got list", id="top-level"),
     ],
 )

@@ -70,3 +70,12 @@ def test_connector_extra_config_points_at_the_server():
         "lmcache.mp.port": 5999,
         "lmcache.mp.mq_timeout": 12,
     }
+
+
+def test_the_r3_module_gets_the_files_bound_on_the_tiers():
+    from lmcache_r3.config import parse_config
+    from lmcache_r3.mp.server_process import settings_from_config
+
+    config = parse_config({"r3": {"tier_timeout_s": 1.5}, "connector": {"r3_timeout_s": 3}}, "deploy.yaml")
+    (module,) = settings_from_config(config).server_modules
+    assert module["config"] == {"namespace": "##r3", "tier_timeout_s": 1.5}
