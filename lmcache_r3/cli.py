@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 
 from lmcache_r3.config import CONFIG_ENV_VAR, ConfigError, load_config
-from lmcache_r3.launch import service_env
+from lmcache_r3.launch import TELEMETRY_OFF, ServiceStartError, service_env
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -24,11 +24,15 @@ def _server(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     argv = server_argv(settings_from_config(config))
-    if args.print_command:
-        print(shlex.join(argv))
+    settings = {**TELEMETRY_OFF, "LMCACHE_DISABLE_BANNER": "1"}
+    if args.print_command:  # with the environment it runs in: LMCache reports usage unless told not to
+        print(shlex.join(["env", *(f"{name}={value}" for name, value in settings.items()), *argv]))
         return 0
-    env = service_env({"LMCACHE_DISABLE_BANNER": "1"})
-    os.execve(argv[0], argv, env)
+    try:
+        os.execve(argv[0], argv, service_env(settings))
+    except OSError as err:
+        print(f"lmcache-r3 server: cannot run {argv[0]} ({err.strerror}); install lmcache 0.5.6 here", file=sys.stderr)
+        return 1
     return 1  # not reached
 
 
@@ -41,7 +45,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         with urllib.request.urlopen(f"{base}/status", timeout=args.timeout) as resp:
             status = json.load(resp)
-    except (urllib.error.URLError, OSError) as err:
+    except (urllib.error.URLError, OSError, ValueError) as err:  # ValueError: something else answered, not JSON
         print(
             f"lmcache-r3 inspect: no LMCache server answers at {base}/status ({err}); is it running?", file=sys.stderr
         )
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    except ServiceStartError as err:  # e.g. no `lmcache` executable in this environment
+        print(f"lmcache-r3 {args.command}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ CONFIG_EXTRA_KEY = "lmcache_r3.config_file"
 """``kv_connector_extra_config`` key naming the file for one engine (else ``$LMCACHE_CONFIG_FILE``)."""
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+"""A bound in seconds: more than 0, at most a day (an infinite or huge bound is a hang)."""
 MAX_R3_STORE_BATCH_STEPS = 1024
 
 

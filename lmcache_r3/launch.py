@@ -112,6 +112,7 @@ class ManagedProcess:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._stopped = False
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.argv,
@@ -168,8 +169,12 @@ class ManagedProcess:
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM the process, then SIGKILL its whole group if it does not exit in ``timeout_s``.
 
-        Also ends any process the child left behind in its group. Returns the exit code.
+        Also ends any process the child left behind in its group, once: a later call must not signal a group that
+        now bears the reused id. Returns the exit code.
         """
+        if self._stopped:
+            return self.popen.poll()
+        self._stopped = True
         if self.alive():
             try:
                 os.kill(self.pid, signal.SIGTERM)

@@ -36,6 +36,8 @@ FINGERPRINT_KEY = "routed_experts_fingerprint"
 """The :func:`token_fingerprint` of the tokens whose routing ``routed_experts`` holds (prompt + outputs)."""
 SIBLING_FINGERPRINTS_KEY = "routed_experts_fingerprint_by_index"
 """Parallel sampling: ``{completion index (str): token fingerprint}`` beside :data:`SIBLINGS_KEY`."""
+SIBLING_ERRORS_KEY = "routed_experts_error_by_index"
+"""Parallel sampling: ``{completion index (str): why its rows are incomplete}`` for the completions that have none."""
 
 
 class RoutedExpertsUnavailable(LookupError):
@@ -84,12 +86,11 @@ def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
     params = getattr(request_output, "kv_transfer_params", None) or {}
     if not getattr(request_output, "finished", False):
         raise RoutedExpertsUnavailable("routed experts are returned with the final output of a request only")
-    if ROUTED_EXPERTS_ERROR_KEY in params:
-        raise RoutedExpertsUnavailable(params[ROUTED_EXPERTS_ERROR_KEY])
     tokens = [*(getattr(request_output, "prompt_token_ids", None) or ()), *completion.token_ids]
     siblings = params.get(SIBLINGS_KEY)
-    if siblings is not None and str(completion.index) in siblings:
+    if siblings is not None and str(completion.index) in siblings:  # n > 1: whatever became of the last completion
         return _checked(params, tokens, str(completion.index))
+    _raise_recorded_error(params, None if siblings is None else str(completion.index))
     if ROUTED_EXPERTS_KEY in params and (len(completions) == 1 or siblings is None):
         return _checked(params, tokens, None)
     if isinstance(getattr(completion, "stop_reason", None), str):
@@ -103,6 +104,16 @@ def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
         "the output carries no routed experts: serve the model with kv_connector LMCacheMPConnector from "
         "lmcache_r3.mp.connector (routed experts on, a MoE model), and read the final output of the request"
     )
+
+
+def _raise_recorded_error(params: dict[str, Any], key: str | None) -> None:
+    """Raise the reason the engine recorded for the rows asked for (one completion's, with n > 1), if any."""
+    if key is None:
+        error = params.get(ROUTED_EXPERTS_ERROR_KEY)
+    else:
+        error = params.get(SIBLING_ERRORS_KEY, {}).get(key)
+    if error:
+        raise RoutedExpertsUnavailable(error)
 
 
 def routed_experts_from_params(
@@ -125,10 +136,10 @@ def routed_experts_from_params(
             other tokens: a response to several prompts carries the rows of one of them only.
     """
     params = kv_transfer_params or {}
-    if ROUTED_EXPERTS_ERROR_KEY in params:
-        raise RoutedExpertsUnavailable(params[ROUTED_EXPERTS_ERROR_KEY])
     siblings = params.get(SIBLINGS_KEY)
     key = None if index is None or siblings is None else str(index)
+    if key is None or key not in siblings:
+        _raise_recorded_error(params, key)
     if key is not None and key not in siblings:
         raise RoutedExpertsUnavailable(f"the response has no routed experts for choice {index}")
     if key is None and ROUTED_EXPERTS_KEY not in params:

@@ -45,6 +45,7 @@ from lmcache_r3.output import (
     FINGERPRINT_KEY,
     ROUTED_EXPERTS_ERROR_KEY,
     ROUTED_EXPERTS_KEY,
+    SIBLING_ERRORS_KEY,
     SIBLING_FINGERPRINTS_KEY,
     SIBLINGS_KEY,
     SOURCES_KEY,
@@ -115,6 +116,8 @@ class _Siblings:
     rows: dict[str, str] = field(default_factory=dict)
     """Per child index, its encoded rows: the dicts every child's params share."""
     fingerprints: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Per child index whose rows are incomplete, why."""
     live: set[str] = field(default_factory=set)
     """The indices of the children that have not ended yet."""
 
@@ -577,20 +580,31 @@ class RoutedExpertsBook:
                 self.counters.add("requests_incomplete")
                 params[ROUTED_EXPERTS_ERROR_KEY] = f"routed experts of request {request_id} are incomplete: {error}"
                 logger.error("lmcache_r3: %s", params[ROUTED_EXPERTS_ERROR_KEY])
-                self._child_ended(request_id)
+                self._join_siblings(request_id, params, None, None, params[ROUTED_EXPERTS_ERROR_KEY])
                 continue
             self.counters.add("requests_completed")
             encoded = encode_routed_experts(routed)
             fingerprint = token_fingerprint(state.request.all_token_ids[: finishing.num_tokens])
             params[ROUTED_EXPERTS_KEY], params[FINGERPRINT_KEY] = encoded, fingerprint
-            child = _child_of(request_id)
-            if child is not None:
-                # The front end of parallel sampling keeps only the last child's params: every child carries the
-                # routing of the siblings finished so far, in dicts they share.
-                group = self._siblings.setdefault(child[1], _Siblings())
-                group.rows[child[0]], group.fingerprints[child[0]] = encoded, fingerprint
-                params[SIBLINGS_KEY], params[SIBLING_FINGERPRINTS_KEY] = group.rows, group.fingerprints
-                self._child_ended(request_id)
+            self._join_siblings(request_id, params, encoded, fingerprint, None)
+
+    def _join_siblings(
+        self, request_id: str, params: dict[str, Any], encoded: str | None, fingerprint: str | None, error: str | None
+    ) -> None:
+        """A parallel-sampling child's rows (or why it has none) join its group's: vLLM's front end keeps only the
+        last child's params, so every child carries the dicts of its whole group, which they share."""
+        child = _child_of(request_id)
+        if child is None:
+            return
+        index, parent = child
+        group = self._siblings.setdefault(parent, _Siblings())
+        if error is None:
+            group.rows[index], group.fingerprints[index] = encoded, fingerprint
+        else:
+            group.errors[index] = error
+        params[SIBLINGS_KEY], params[SIBLING_FINGERPRINTS_KEY] = group.rows, group.fingerprints
+        params[SIBLING_ERRORS_KEY] = group.errors
+        self._child_ended(request_id)
 
     def _child_ended(self, request_id: str) -> None:
         """A parallel-sampling child ended (finished or aborted): the last one to end lets its group go (it lives on

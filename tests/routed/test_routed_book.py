@@ -285,6 +285,49 @@ def test_a_store_of_a_request_preempted_before_its_rows_came_waits_for_the_rows_
     np.testing.assert_array_equal(chunks[1].rows, rows(CHUNK, 2 * CHUNK, salt=4))
 
 
+def test_an_incomplete_last_child_keeps_its_siblings_rows_and_says_why_for_itself_only(book):
+    # vLLM's front end returns only the last child's params: when that child's rows are incomplete, the other
+    # completions' rows are still there, and only the incomplete one raises, with its own reason.
+    from types import SimpleNamespace
+
+    from lmcache_r3 import RoutedExpertsUnavailable, routed_experts, routed_experts_from_params
+
+    ids = ["0_pair", "1_pair"]
+    for request_id in ids:
+        book.on_new_request(request_id)
+    done = Request(ids[0], list(range(700, 720)))
+    step = start_request(book, done, 20)
+    done.num_computed_tokens = 20
+    done.all_token_ids.append(7)
+    book.on_worker_output(worker_output(step, 0, 20))
+    done.status = "FINISHED_LENGTH_CAPPED"
+    book.request_finished(done, None)
+    book.on_worker_output(R3WorkerMetadata())
+    lost = Request(ids[1], list(range(700, 720)))
+    first = start_request(book, lost, 10)  # this step's rows never arrive
+    lost.num_computed_tokens = 10
+    cached = CachedRequests([ids[1]], [None], set(), [10])
+    second = book.on_schedule(SchedulerOutput({ids[1]: 10}, [], cached), 0)
+    lost.num_computed_tokens = 20
+    lost.all_token_ids.append(9)
+    book.on_worker_output(worker_output(second, 10, 20))
+    lost.status = "FINISHED_LENGTH_CAPPED"
+    params = book.request_finished(lost, None)  # the last child: its params are the ones the user gets
+    book.on_worker_output(R3WorkerMetadata())
+    assert f"engine step {first} never arrived" in params[ROUTED_EXPERTS_ERROR_KEY]
+    np.testing.assert_array_equal(routed_experts_from_params(params, done.all_token_ids, index=0), rows(0, 20))
+    with pytest.raises(RoutedExpertsUnavailable, match=f"engine step {first} never arrived"):
+        routed_experts_from_params(params, lost.all_token_ids, index=1)
+    completions = [SimpleNamespace(index=0, token_ids=[7]), SimpleNamespace(index=1, token_ids=[9])]
+    output = SimpleNamespace(
+        outputs=completions, prompt_token_ids=list(range(700, 720)), finished=True, kv_transfer_params=params
+    )
+    np.testing.assert_array_equal(routed_experts(output, 0), rows(0, 20))
+    with pytest.raises(RoutedExpertsUnavailable, match="incomplete"):
+        routed_experts(output, 1)
+    assert book._siblings == {}
+
+
 def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):
     from lmcache_r3.artifacts import encode_run
 

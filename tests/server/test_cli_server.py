@@ -37,6 +37,7 @@ def example_on_free_ports(tmp_path) -> Path:
 def test_print_command_shows_the_stock_server_with_our_module_and_tiers(example_on_free_ports):
     result = cli("server", "--config", str(example_on_free_ports), "--print-command")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("env LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 VLLM_NO_USAGE_STATS=1 ")
     assert " server --host 127.0.0.1 " in result.stdout
     assert '"module_path":"lmcache_r3.mp.server_module"' in result.stdout
     assert '"type":"fs"' in result.stdout

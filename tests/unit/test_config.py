@@ -51,6 +51,11 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
         pytest.param({"connector": {"r3_timeout_s": 0}}, "connector.r3_timeout_s: expected a number > 0", id="timeout"),
         pytest.param({"r3": {"tier_timeout_s": -1}}, "r3.tier_timeout_s: expected a number > 0", id="tier-timeout"),
         pytest.param(
+            {"connector": {"mq_timeout_s": float("inf")}},
+            "connector.mq_timeout_s: expected a number <= 86400",
+            id="infinite-timeout",
+        ),
+        pytest.param(
             {"r3": {"tier_timeout_s": 6}, "connector": {"r3_timeout_s": 5}},
             "r3.tier_timeout_s (6.0) must be below connector.r3_timeout_s (5.0)",
             id="tier-timeout-past-the-connectors",

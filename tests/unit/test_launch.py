@@ -75,6 +75,19 @@ def test_stop_by_pid_also_ends_grandchildren_that_ignore_sigterm(tmp_path):
     assert processes_with_marker(marker) == {}
 
 
+def test_a_second_stop_never_signals_the_group_again(tmp_path, monkeypatch):
+    # Once the group is gone its id may be reused by an unrelated process group: only the first stop may signal it.
+    from lmcache_r3 import launch
+
+    proc = ManagedProcess("short", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "p.log")
+    assert proc.stop(timeout_s=1) is not None and not proc.alive()
+    signalled = []
+    monkeypatch.setattr(launch.os, "killpg", lambda *args: signalled.append(args))
+    monkeypatch.setattr(launch.os, "kill", lambda *args: signalled.append(args))
+    proc.stop(timeout_s=1)
+    assert signalled == [], "a stopped process's group was signalled again"
+
+
 def test_sigterm_to_a_launcher_still_stops_the_services_it_started(tmp_path):
     marker = os.urandom(8).hex()
     script = (
