@@ -32,12 +32,29 @@ class CaptureError(RuntimeError):
 
 
 def find_moe_runners(vllm_config: Any) -> list[Any]:
-    """The MoE runners vLLM registered for this model, in layer order (empty for a dense model)."""
+    """The MoE runners of the served model, in layer order (empty for a dense model).
+
+    vLLM registers every MoE runner in ``static_forward_context``, a speculative drafter's (MTP) too, since the drafter
+    shares the compilation config. Only the target model's are bound: the first runner of each layer id below the
+    model's layer count (a drafter's come later, numbered past the last layer or again from 0).
+    """
     from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()
     context = vllm_config.compilation_config.static_forward_context
-    runners = [layer for layer in context.values() if isinstance(layer, MoERunner)]
-    return sorted(runners, key=lambda runner: runner.layer_id)
+    runners: dict[int, Any] = {}
+    skipped = 0
+    for layer in context.values():
+        if not isinstance(layer, MoERunner):
+            continue
+        if 0 <= layer.layer_id < num_layers and layer.layer_id not in runners:
+            runners[layer.layer_id] = layer
+        else:
+            skipped += 1
+    if skipped:
+        logger.info("lmcache_r3: %d MoE runners outside the model's %d layers (a drafter's) are not captured",
+                    skipped, num_layers)  # fmt: skip
+    return [runners[layer_id] for layer_id in sorted(runners)]
 
 
 def require_eager_on_cpu(vllm_config: Any) -> None:
@@ -110,7 +127,7 @@ class RouterCapture:
         Raises:
             CaptureError: tokens ran but no router reported its choice (capture is not hooked in).
         """
-        if self.capturer.calls == 0:
+        if self.capturer.calls == 0 and not _graph_replayed():
             raise CaptureError(
                 "a step ran tokens through the model but no MoE router reported its routing: capture is not "
                 "hooked into the forward pass (on CPU this happens under torch.compile; use --enforce-eager)"
@@ -119,6 +136,13 @@ class RouterCapture:
         if self._host_buffer is not None:
             return mapping, self._host_buffer
         return mapping, self.capturer.device_buffer  # the CUDA kernel reads it in place (__cuda_array_interface__)
+
+
+def _graph_replayed() -> bool:
+    """Whether this step replayed a CUDA graph: the capture writes recorded in it ran, but no Python call did."""
+    from vllm.config import CUDAGraphMode
+
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
 
 
 def forward_slot_mapping(layer_name: str) -> Any | None:

@@ -422,7 +422,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         logger.warning("lmcache_r3: request %s recomputes instead of retrieving %s: %s",
                        tracker.request_id, admission.retrieve, reason)  # fmt: skip
         self._free_locks(tracker, admission.retrieve)
-        flat = _destination_blocks(allocated, self._group_tokens_per_block, admission.retrieve)
+        # The blocks the load was to fill; those of vLLM's own hit (the skipped head) hold valid KV and stay.
+        fill = TokenRange(admission.retrieve.start + admission.skip_first_n_tokens, admission.retrieve.end)
+        flat = _destination_blocks(allocated, self._group_tokens_per_block, fill)
         self._failed_retrieves.append((tracker.request_id, flat))
         return None
 

@@ -21,6 +21,7 @@ __all__ = [
     "first_server_url",
     "mirrored_group",
     "refuse_lazy_offload",
+    "routed_experts_refusal",
     "resolve_extra_config",
     "routed_experts_profile",
 ]
@@ -131,12 +132,10 @@ def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True
             logger.info("lmcache_r3: %s has no MoE layers; routed experts are off, KV reuse is unchanged",
                         model_config.model)  # fmt: skip
         return None
-    stages = vllm_config.parallel_config.pipeline_parallel_size
-    if stages > 1:
+    refusal = routed_experts_refusal(vllm_config)
+    if refusal is not None:
         raise ValueError(
-            f"lmcache_r3 returns routed experts with tensor parallelism only, and this engine runs {stages} pipeline "
-            "stages: each stage's capture holds only its own layers, and rows missing the others would read as "
-            "routing to expert 0. Run with pipeline_parallel_size 1, or set "
+            f"lmcache_r3 cannot return routed experts for this engine: {refusal}. Change that, or set "
             '"lmcache_r3.routed_experts": false in kv_connector_extra_config.'
         )
     return R3Profile(
@@ -144,6 +143,32 @@ def routed_experts_profile(vllm_config: Any, enabled: bool, say_why: bool = True
         top_k=model_config.get_num_experts_per_tok(),
         num_experts=num_experts,
     )
+
+
+def routed_experts_refusal(vllm_config: Any) -> str | None:
+    """Why the engine's layout keeps routed experts from being captured exactly, or None when it does not."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return (
+            f"it runs {parallel.pipeline_parallel_size} pipeline stages, and each stage's capture holds only its own "
+            "layers (rows missing the others would read as routing to expert 0); use pipeline_parallel_size 1"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name) > 1:
+            return (
+                f"{name} is {getattr(parallel, name)}, and a context-parallel rank's slot mapping covers only its "
+                f"share of the tokens, in slots of its own; use {name} 1"
+            )
+    if parallel.enable_dbo:
+        return "dual-batch overlap (--enable-dbo) runs micro-batches whose captures overwrite each other; turn it off"
+    if not current_platform.is_cpu() and vllm_config.use_v2_model_runner:
+        return (
+            "vLLM's Model Runner V2 hands the connector a step's output after the step's forward context is gone, so "
+            "no captured row could be matched to its token; use the V1 runner: VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    return None
 
 
 def mirrored_group(kv_cache_config: Any) -> int:

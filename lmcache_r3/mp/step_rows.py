@@ -41,7 +41,9 @@ def narrow_step(slot_mapping: Any, captured: Any, profile: R3Profile) -> tuple[n
         StepRowsError: fewer captured rows than tokens.
         GatherNarrowError: an expert id outside the profile.
     """
-    slots = np.asarray(slot_mapping, dtype=np.int64)  # no copy when it already is an int64 array
+    # A copy: on the CPU the slot mapping is a view of a buffer vLLM rewrites next step, and the scheduler may keep
+    # these slots queued (un-copied) across steps when it runs in this process.
+    slots = np.array(slot_mapping, dtype=np.int64, copy=True)
     if slots.ndim != 1:
         raise StepRowsError(f"slot_mapping must be 1-D, got shape {slots.shape}")
     num_tokens = slots.shape[0]

@@ -31,8 +31,9 @@ def prompt(seed, length):
     return [10 + (seed * 131 + 7 * i) % 1000 for i in range(length)]
 
 
-def run_retrieve(harness, metadata, request_id, timeout_s=30.0):
-    """Hand the scheduler's metadata to the worker as one engine step would, and wait for the load's outcome."""
+def run_retrieve(harness, metadata, request_id, timeout_s=30.0, error_blocks=None):
+    """Hand the scheduler's metadata to the worker as one engine step would, and wait for the load's outcome (the
+    block ids the worker reports failed are added to ``error_blocks`` when given)."""
     from vllm.forward_context import set_forward_context
 
     with set_forward_context(None, harness.vllm_config):
@@ -44,9 +45,10 @@ def run_retrieve(harness, metadata, request_id, timeout_s=30.0):
     while request_id not in finished and time.monotonic() < deadline:
         results = harness.worker.get_transfer_results(set())
         finished |= set(results.finished_recving)
-        failed |= set(results.failed_recving) | (
-            {request_id} if harness.worker.get_block_ids_with_load_errors() else set()
-        )
+        errors = harness.worker.get_block_ids_with_load_errors()
+        failed |= set(results.failed_recving) | ({request_id} if errors else set())
+        if error_blocks is not None:
+            error_blocks |= set(errors)
         time.sleep(0.01)
     return request_id in finished, request_id in failed
 
@@ -131,6 +133,33 @@ def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["retrieves_failed_closed"] == 1
     harness.finish_by_hand(request, [44])
+
+
+def test_a_refused_load_reports_only_the_blocks_it_was_to_fill_never_those_of_vllms_own_hit(
+    scheduler_harness_factory, lmcache_server
+):
+    # vLLM recomputes what a failed load names, in every running request that holds those blocks: the block of its
+    # own prefix hit (41 here, valid KV shared with other requests) must not be named with the ones the load was to
+    # fill.
+    harness = scheduler_harness_factory(kind="dense", connector_module=OURS)
+    tokens, _ = stored_prompt(harness, seed=66, num_chunks=4)
+    connector = harness.scheduler.connector
+    request = harness.make_request("V", tokens + [902])
+    deadline = time.monotonic() + 20
+    while (answer := connector.get_num_new_matched_tokens(request, BLOCK_SIZE))[0] is None:
+        assert time.monotonic() < deadline, "the lookup did not answer"
+        time.sleep(0.01)
+    assert answer[0] == 4 * CHUNK - BLOCK_SIZE
+    # 64 admitted tokens past vLLM's 32 end inside the second chunk, whose second block is not allocated: refused.
+    connector.update_state_after_alloc(request, AllocatedBlocks([[41, 44]]), 2 * BLOCK_SIZE)
+    metadata = connector.build_connector_meta(empty_scheduler_output())
+    assert [m for m in metadata.requests if m.direction == "RETRIEVE"] == []
+    named: set[int] = set()
+    done, failed = run_retrieve(harness, metadata, request.request_id, error_blocks=named)
+    assert done and failed and connector.counters.values["retrieves_failed_closed"] == 1
+    assert named == {44}, "vLLM's own prefix-hit block was named failed"
+    assert wait_locks(lmcache_server, 0) == 0
+    harness.finish_by_hand(request, [41, 44])
 
 
 def test_zero_admission_retrieves_nothing_and_holds_no_lock(scheduler_harness_factory, lmcache_server):

@@ -85,14 +85,72 @@ def test_profile_of_a_moe_model_and_refusal_next_to_vllms_own_routed_experts(vll
         routed_experts_profile(vllm_config, enabled=True)
 
 
-def test_pipeline_parallelism_is_refused_while_routed_experts_are_on(vllm_config):
-    # Each pipeline stage captures only its own layers: the rows of one stage's report would be zero elsewhere.
+@pytest.mark.parametrize(
+    ("setting", "value", "refusal"),
+    [
+        pytest.param("pipeline_parallel_size", 2, "2 pipeline stages.*pipeline_parallel_size 1", id="pipeline"),
+        pytest.param("decode_context_parallel_size", 2, "decode_context_parallel_size is 2", id="decode-cp"),
+        pytest.param("prefill_context_parallel_size", 2, "prefill_context_parallel_size is 2", id="prefill-cp"),
+        pytest.param("enable_dbo", True, "dual-batch overlap", id="dual-batch-overlap"),
+    ],
+)
+def test_layouts_that_split_a_steps_capture_are_refused_while_routed_experts_are_on(vllm_config, setting, value,
+                                                                                     refusal):  # fmt: skip
+    # Each of these hands the connector rows that are not one whole row per token of the step: refused at start,
+    # naming the setting, never rows partly zero or placed in the wrong slots.
     from lmcache_r3.mp.connector_config import routed_experts_profile
 
-    vllm_config.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ValueError, match="pipeline_parallel_size 1.*routed_experts.*false"):
+    setattr(vllm_config.parallel_config, setting, value)
+    with pytest.raises(ValueError, match=f"{refusal}.*routed_experts.*false"):
         routed_experts_profile(vllm_config, enabled=True)
     assert routed_experts_profile(vllm_config, enabled=False) is None
+
+
+def test_model_runner_v2_on_a_gpu_is_refused_naming_the_switch(vllm_config, monkeypatch):
+    # (No GPU here: the platform says it is not a CPU.) V2 builds the connector's worker output after the forward
+    # context is gone, so no captured row could be matched to its token.
+    from vllm.platforms import current_platform
+
+    from lmcache_r3.mp.connector_config import routed_experts_profile
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert routed_experts_profile(vllm_config, enabled=True) is not None  # on the CPU the V1 runner always runs
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        routed_experts_profile(vllm_config, enabled=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert routed_experts_profile(vllm_config, enabled=True) is not None
+
+
+def test_only_the_target_models_moe_runners_are_bound_not_a_drafters(vllm_config):
+    # A speculative drafter (MTP) shares the compilation config, so its MoE runners sit in static_forward_context
+    # too, numbered past the model's last layer (DeepSeek) or from 0 again (Qwen3-Next); binding them would crash the
+    # drafter's forward pass or overwrite layer 0's rows. (Runners stand in for built ones: no model is built here.)
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    from lmcache_r3.mp.capture import find_moe_runners
+
+    class Runner(MoERunner):
+        def __init__(self, layer_name: str) -> None:  # no model to build one from: its layer id is read from the name
+            self.layer_name = layer_name
+
+    names = ["model.layers.1.mlp.experts", "model.layers.0.mlp.experts", "model.layers.2.mlp.experts",
+             "mtp.layers.0.mlp.experts"]  # fmt: skip
+    target, drafter = [Runner(name) for name in names[:2]], [Runner(name) for name in names[2:]]  # 2 model layers
+    vllm_config.compilation_config.static_forward_context = {
+        **{runner.layer_name: runner for runner in target},
+        "model.layers.0.self_attn.attn": object(),
+        **{runner.layer_name: runner for runner in drafter},
+    }
+    assert find_moe_runners(vllm_config) == [target[1], target[0]]
+
+
+def test_narrow_step_never_keeps_a_view_of_the_slot_mapping():
+    # vLLM rewrites its slot-mapping buffer every step; the scheduler may keep a step's slots queued for several.
+    slot_mapping = np.array([8, 9, 10], dtype=np.int64)
+    slots, _ = narrow_step(slot_mapping, captured_rows(3), PROFILE)
+    slot_mapping[:] = [20, 21, 22]
+    assert slots.tolist() == [8, 9, 10]
 
 
 def test_cpu_without_enforce_eager_is_refused_with_the_fix(vllm_config):
