@@ -80,6 +80,10 @@ def routed_experts(request_output: Any, index: int | None = None) -> np.ndarray:
             *string* makes vLLM's front end abort it), or its rows were incomplete; the message says which.
     """
     completions = list(getattr(request_output, "outputs", None) or ())
+    if not completions:
+        raise RoutedExpertsUnavailable(
+            f"{type(request_output).__name__} has no completions: pass the RequestOutput of a generate call"
+        )
     completion = completions[0] if index is None else next((c for c in completions if c.index == index), None)
     if completion is None:
         raise RoutedExpertsUnavailable(f"the request has no completion with index {index}")

@@ -245,6 +245,8 @@ def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
         routed_experts(_Output(_params(0), prompt=[5, 6, 4]))  # rows of other tokens are never handed out
     with pytest.raises(RoutedExpertsUnavailable, match="another token sequence"):
         routed_experts(_Output({ROUTED_EXPERTS_KEY: encoded}))  # rows that name no tokens neither
+    with pytest.raises(RoutedExpertsUnavailable, match="dict has no completions: pass the RequestOutput"):
+        routed_experts(_params(0))  # the params instead of the output
 
 
 def test_routed_experts_of_parallel_samples_are_each_completions_own():
