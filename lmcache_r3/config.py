@@ -72,10 +72,10 @@ class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Store and return routed experts; off means a plain KV cache (the connector behaves as stock)."""
     namespace: str = "##r3"
     """Suffix appended to the model name of R3 objects, so KV lookups and KV events never see them."""
-    tier_timeout_s: PositiveSeconds = 4.0
+    tier_timeout_s: PositiveSeconds | None = None
     """Longest the server waits for the L2 tiers to bring R3 objects into L1 for one lookup or fetch (past it the
-    answer is a miss). Keep it below ``connector.r3_timeout_s``: the connector stops waiting then, and a server thread
-    kept waiting longer is one KV lookups lack."""
+    answer is a miss); default 0.8 x ``connector.r3_timeout_s``. Below that bound: the connector stops waiting then,
+    and a server thread kept waiting longer is one KV lookups lack. See :attr:`Config.r3_tier_timeout_s`."""
 
     def __post_init__(self) -> None:
         if not self.namespace or any(c in self.namespace for c in "@/\\\0"):
@@ -115,8 +115,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     r3: R3Config = msgspec.field(default_factory=R3Config)
     connector: ConnectorConfig = msgspec.field(default_factory=ConnectorConfig)
 
+    @property
+    def r3_tier_timeout_s(self) -> float:
+        """The server's bound on the tiers for one R3 read: ``r3.tier_timeout_s``, or 0.8 x the connector's bound."""
+        explicit = self.r3.tier_timeout_s
+        return explicit if explicit is not None else 0.8 * self.connector.r3_timeout_s
+
     def __post_init__(self) -> None:
-        if self.r3.enabled and self.r3.tier_timeout_s >= self.connector.r3_timeout_s:
+        tier_timeout_s = self.r3.tier_timeout_s
+        if self.r3.enabled and tier_timeout_s is not None and tier_timeout_s >= self.connector.r3_timeout_s:
             raise ValueError(
                 f"r3.tier_timeout_s ({self.r3.tier_timeout_s}) must be below connector.r3_timeout_s "
                 f"({self.connector.r3_timeout_s}): the connector gives up on an R3 call then, and the server would "

@@ -161,8 +161,11 @@ def routed_experts_refusal(vllm_config: Any) -> str | None:
                 f"{name} is {getattr(parallel, name)}, and a context-parallel rank's slot mapping covers only its "
                 f"share of the tokens, in slots of its own; use {name} 1"
             )
-    if parallel.enable_dbo:
-        return "dual-batch overlap (--enable-dbo) runs micro-batches whose captures overwrite each other; turn it off"
+    if parallel.use_ubatching:
+        return (
+            "it runs micro-batches (--enable-dbo, or --ubatch-size above 1), whose captures overwrite each other; "
+            "turn them off"
+        )
     if not current_platform.is_cpu() and vllm_config.use_v2_model_runner:
         return (
             "vLLM's Model Runner V2 hands the connector a step's output after the step's forward context is gone, so "

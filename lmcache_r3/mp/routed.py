@@ -120,6 +120,9 @@ class _Siblings:
     """Per child index whose rows are incomplete, why."""
     live: set[str] = field(default_factory=set)
     """The indices of the children that have not ended yet."""
+    idle_since: float | None = None
+    """When its last live child ended (a later child may still be on its way: vLLM's async front end adds the
+    children one call each)."""
 
 
 def _child_of(request_id: str) -> tuple[str, str] | None:
@@ -177,6 +180,8 @@ class RoutedExpertsBook:
         self._unsent_since = 0
         """The reported step when the oldest unsent store was read from the mirror."""
         self.retry_after_s = 10.0
+        self.sibling_grace_s = 30.0
+        """How long a parallel-sampling group whose children all ended waits for one more (see ``_child_ended``)."""
         self._quiet_until = 0.0
 
     def probe_server(self, timeout_s: float) -> bool:
@@ -206,10 +211,12 @@ class RoutedExpertsBook:
 
     # -- lookup ----------------------------------------------------------------------------------------------
     def on_new_request(self, request_id: str) -> None:
-        """vLLM added a request (all children of a parallel-sampling request arrive together, before any runs)."""
+        """vLLM added a request (the children of a parallel-sampling request arrive within moments of each other)."""
         child = _child_of(request_id)
         if child is not None:
-            self._siblings.setdefault(child[1], _Siblings()).live.add(child[0])
+            group = self._siblings.setdefault(child[1], _Siblings())
+            group.live.add(child[0])
+            group.idle_since = None
 
     def _state(self, request: Any) -> _RequestState:
         state = self._requests.get(request.request_id)
@@ -607,15 +614,21 @@ class RoutedExpertsBook:
         self._child_ended(request_id)
 
     def _child_ended(self, request_id: str) -> None:
-        """A parallel-sampling child ended (finished or aborted): the last one to end lets its group go (it lives on
-        in the params only)."""
+        """A parallel-sampling child ended (finished or aborted). A group with no live child is let go (it lives on
+        in the params only) once ``sibling_grace_s`` passed without a new child: vLLM's front end adds the children
+        of one request within moments, but one call each, so a short child may end before the next one arrives."""
         child = _child_of(request_id)
         group = self._siblings.get(child[1]) if child is not None else None
-        if group is None:
-            return
-        group.live.discard(child[0])
-        if not group.live:
-            del self._siblings[child[1]]
+        now = time.monotonic()
+        if group is not None:
+            group.live.discard(child[0])
+            if not group.live:
+                group.idle_since = now
+        grace = self.sibling_grace_s
+        idle = [parent for parent, group in self._siblings.items()
+                if not group.live and group.idle_since is not None and now - group.idle_since >= grace]  # fmt: skip
+        for parent in idle:
+            del self._siblings[parent]
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state without output (aborted, or its lookup state reset)."""

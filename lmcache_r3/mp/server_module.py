@@ -440,8 +440,7 @@ def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None
 
     def release() -> None:
         began = time.monotonic()
-        warned = False
-        while True:  # however long the tiers take: the locks it takes must not outlive it
+        while time.monotonic() - began < 3600.0:  # however long the tiers take, within reason
             try:
                 storage.wait_prefetch_status(handle, 1.0)
                 result = storage.query_prefetch_status(handle)
@@ -453,9 +452,7 @@ def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None
             except Exception:
                 logger.exception("lmcache_r3: releasing the locks of an abandoned R3 prefetch failed; they stay")
                 return
-            if not warned and time.monotonic() - began > 300.0:
-                warned = True
-                logger.error("lmcache_r3: an abandoned R3 prefetch of %d objects is still running after 300 s; "
-                             "its read locks are released when it ends (check the L2 tiers)", len(keys))  # fmt: skip
+        logger.error("lmcache_r3: an abandoned R3 prefetch of %d objects did not end within an hour; the read locks it "
+                     "may take stay until LMCache's read-lock TTL (check the L2 tiers)", len(keys))  # fmt: skip
 
     threading.Thread(target=release, name="lmcache_r3-prefetch-release", daemon=True).start()

@@ -187,7 +187,7 @@ def r3_server_module_spec(namespace: str, tier_timeout_s: float | None = None) -
 def settings_from_config(config) -> ServerSettings:
     """:class:`ServerSettings` for the ``server``, ``tiers`` and ``r3`` sections of a ``Config``."""
     server = config.server
-    modules = (r3_server_module_spec(config.r3.namespace, config.r3.tier_timeout_s),) if config.r3.enabled else ()
+    modules = (r3_server_module_spec(config.r3.namespace, config.r3_tier_timeout_s),) if config.r3.enabled else ()
     return ServerSettings(
         port=server.port,
         http_port=server.http_port,

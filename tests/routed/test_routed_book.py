@@ -183,27 +183,35 @@ def test_a_request_with_multimodal_inputs_never_fetches_or_publishes_r3_and_retu
 
 
 def test_parallel_sampling_children_carry_every_siblings_rows_and_the_last_to_end_releases_the_group(book):
-    # vLLM adds every child at once but runs them as room allows, and its front end keeps only the last child's params:
-    # those must hold every finished sibling's rows, however late a child started, and the group must not outlive
-    # its children, also when the last one is aborted (a stop string) before it ran.
+    # vLLM's front end adds the children one call each and keeps only the last child's params: those must hold every
+    # finished sibling's rows, also of a child that ended before the next one arrived, and the group must not outlive
+    # its children (after a grace for late ones), also when the last one is aborted (a stop string) before it ran.
     from vllm.v1.request import RequestStatus
 
     from lmcache_r3.output import SIBLINGS_KEY
 
     ids = [f"{index}_group" for index in range(4)]
-    for request_id in ids:
-        book.on_new_request(request_id)
     params = {}
-    for index, request_id in enumerate(ids[:3]):  # one after the other: the later ones not even looked up before
-        request = Request(request_id, list(range(800, 840)) + [index])
+
+    def run(index: int) -> None:
+        request = Request(ids[index], list(range(800, 840)) + [index])
         step = start_request(book, request, 41)
         request.num_computed_tokens = 41
         request.all_token_ids.append(7)
         book.on_worker_output(worker_output(step, 0, 41, salt=index))
         request.status = "FINISHED_LENGTH_CAPPED"
-        params[request_id] = book.request_finished(request, None)
+        params[ids[index]] = book.request_finished(request, None)
         book.on_worker_output(R3WorkerMetadata())
+
+    book.on_new_request(ids[0])
+    run(0)  # ends before its siblings are added
+    assert "group" in book._siblings, "a group let go while children may still be on their way"
+    for request_id in ids[1:]:
+        book.on_new_request(request_id)
+    run(1)
+    run(2)
     assert "group" in book._siblings, "a group let go while a child is still to come"
+    book.sibling_grace_s = 0.0
     book.request_finished(Request(ids[3], [1, 2, 3], status=RequestStatus.FINISHED_ABORTED), None)
     assert book._siblings == {}, "a parallel-sampling group outlived its children"
     siblings = params[ids[2]][SIBLINGS_KEY]
@@ -325,7 +333,6 @@ def test_an_incomplete_last_child_keeps_its_siblings_rows_and_says_why_for_itsel
     np.testing.assert_array_equal(routed_experts(output, 0), rows(0, 20))
     with pytest.raises(RoutedExpertsUnavailable, match="incomplete"):
         routed_experts(output, 1)
-    assert book._siblings == {}
 
 
 def test_the_lookups_of_a_step_fetch_their_r3_in_one_call_and_an_early_kv_answer_sends_its_own(book, r3_server):

@@ -91,7 +91,8 @@ def test_profile_of_a_moe_model_and_refusal_next_to_vllms_own_routed_experts(vll
         pytest.param("pipeline_parallel_size", 2, "2 pipeline stages.*pipeline_parallel_size 1", id="pipeline"),
         pytest.param("decode_context_parallel_size", 2, "decode_context_parallel_size is 2", id="decode-cp"),
         pytest.param("prefill_context_parallel_size", 2, "prefill_context_parallel_size is 2", id="prefill-cp"),
-        pytest.param("enable_dbo", True, "dual-batch overlap", id="dual-batch-overlap"),
+        pytest.param("enable_dbo", True, "micro-batches", id="dual-batch-overlap"),
+        pytest.param("ubatch_size", 2, "micro-batches", id="micro-batches"),
     ],
 )
 def test_layouts_that_split_a_steps_capture_are_refused_while_routed_experts_are_on(vllm_config, setting, value,

@@ -79,3 +79,7 @@ def test_the_r3_module_gets_the_files_bound_on_the_tiers():
     config = parse_config({"r3": {"tier_timeout_s": 1.5}, "connector": {"r3_timeout_s": 3}}, "deploy.yaml")
     (module,) = settings_from_config(config).server_modules
     assert module["config"] == {"namespace": "##r3", "tier_timeout_s": 1.5}
+    # Unset, it stays below the connector's bound, whatever that is: 0.8 x it.
+    config = parse_config({"connector": {"r3_timeout_s": 2}}, "deploy.yaml")
+    (module,) = settings_from_config(config).server_modules
+    assert module["config"] == {"namespace": "##r3", "tier_timeout_s": 1.6}
