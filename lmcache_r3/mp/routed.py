@@ -239,7 +239,7 @@ class RoutedExpertsBook:
         end = len(tokens) - len(tokens) % self.chunk_size
         state.fetch = _PendingFetch(start)
         state.fetched = None
-        if getattr(request, "mm_features", None) and not state.local_only:
+        if request.mm_features and not state.local_only:
             state.local_only = True
             self.counters.add("requests_local_only")
         if self._server_answers() and end > start and not state.local_only:
@@ -618,8 +618,10 @@ class RoutedExpertsBook:
         in the params only) once ``sibling_grace_s`` passed without a new child: vLLM's front end adds the children
         of one request within moments, but one call each, so a short child may end before the next one arrives."""
         child = _child_of(request_id)
-        group = self._siblings.get(child[1]) if child is not None else None
+        if child is None:
+            return
         now = time.monotonic()
+        group = self._siblings.get(child[1])
         if group is not None:
             group.live.discard(child[0])
             if not group.live:

@@ -134,10 +134,6 @@ class MooncakeObjectStore:
         """Whether reads of objects in the region move direct (configured, and no transfer outlived its bound)."""
         return self.settings.direct_reads and not self._direct_reads_off
 
-    def reads_direct(self, views: Sequence[memoryview]) -> bool:
-        """Whether :meth:`get_into` of ``views`` would move any of them direct into the caller's memory."""
-        return self.direct_reads and any(self._direct_addresses(views))
-
     @property
     def region(self) -> tuple[int, int] | None:
         """``(ptr, size)`` of the registered L1 region, or None (not given, not yet registered, or refused)."""

@@ -297,7 +297,7 @@ class ShmObjectStore:
         if self._adopt_existing(key, path):
             return False
         temp = os.path.join(self._root, self._unique_name(TEMP_PREFIX))
-        recycled = self._make_room(file_size, keep=key, claim_as=temp)  # reserves file_size until published
+        recycled = self._make_room(file_size, keep=key, claim_as=temp)  # reserves file_size, given back below
         try:
             fd = _open_temp(temp, recycled)
             try:
@@ -315,18 +315,16 @@ class ShmObjectStore:
             try:
                 _link(temp, path)
             except FileExistsError:
-                self._adopt_existing(key, path, reserved=file_size)
+                self._adopt_existing(key, path)
                 return False
             with self._lock:
                 self._stats["bytes_written"] += payload.nbytes
                 self._stats["recycled"] += recycled
-            self._touch(key, file_size, reserved=file_size)
+            self._touch(key, file_size)  # counted before the reservation goes: never under the capacity's view
             return True
-        except BaseException:
+        finally:
             with self._lock:
                 self._used -= file_size
-            raise
-        finally:
             _unlink_quietly(temp)
 
     def get(self, key: bytes) -> bytes | None:
@@ -494,9 +492,8 @@ class ShmObjectStore:
         return decoded
 
     def _make_room(self, incoming: int, keep: bytes, claim_as: str) -> bool:
-        """Make room for a file of ``incoming`` bytes and reserve them in ``_used`` (concurrent puts then make room for
-        each other; the caller gives the reservation back, or turns it into the object's count with ``_touch``); True
-        when a file of that size now sits at ``claim_as``.
+        """Make room for a file of ``incoming`` bytes and reserve them in ``_used`` until the put ends (concurrent puts
+        then make room for each other); True when a file of that size now sits at ``claim_as``.
 
         The file comes from the free files if one has the size, else from an evicted object of that size. Room is
         made by dropping free files first (oldest first), then by evicting the least recently used objects.
@@ -648,23 +645,17 @@ class ShmObjectStore:
             del self._pool_by_size[size]
         self._pooled -= size
 
-    def _adopt_existing(self, key: bytes, path: str, reserved: int = 0) -> bool:
-        """Count the object at ``path`` if there is one (and give back ``reserved`` bytes either way)."""
+    def _adopt_existing(self, key: bytes, path: str) -> bool:
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
-            size = None
-        self._touch(key, size, reserved)
-        return size is not None
+            return False
+        self._touch(key, size)
+        return True
 
-    def _touch(self, key: bytes, size: int | None, reserved: int = 0) -> None:
-        """Count ``key`` as most recently used with ``size`` file bytes (None: do not count it) and give back
-        ``reserved`` bytes of a put's reservation, in one step."""
+    def _touch(self, key: bytes, size: int) -> None:
         key = bytes(key)
         with self._lock:
-            self._used -= reserved
-            if size is None:
-                return
             previous = self._sizes.pop(key, None)
             if previous is not None:
                 self._used -= previous

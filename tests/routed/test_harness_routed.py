@@ -480,32 +480,45 @@ def test_a_server_without_the_r3_module_recomputes_and_says_how_to_fix_it(
     assert any("lmcache-r3 server" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
 
 
+def cut_hit_beside_a_holder(server, scheduler_harness_factory, seed: int):
+    """A prompt whose KV LMCache holds for 4 chunks and R3 for 1 (a joint hit of one chunk), all 4 also locked by
+    another reader (``holder``, a plain LMCache lookup). Returns ``(harness, tokens)``.
+
+    ``read_locked_count`` counts locked objects, not locks: the holder keeps all 4 locked throughout, so the count
+    drops only when a lock of the holder's is taken away, or stays up when a lock of the test's request is left."""
+    from lmcache_r3.mp.r3_client import R3Client
+
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    connector = harness.scheduler.connector
+    adapter = connector.scheduler_adapter
+    tokens = prompt(4 * CHUNK + 9, seed=seed)
+    harness.generate([("first", tokens)], max_tokens=3)
+    harness.settle_stores()
+    with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
+        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
+    adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
+    kv_lookup_answer(adapter, "holder")
+    assert wait_locks(server, 4) == 4
+    return harness, tokens
+
+
+def release_the_holder(harness, tokens) -> None:
+    adapter = harness.scheduler.connector.scheduler_adapter
+    adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
+    adapter.cleanup_lookup_result("holder")
+
+
 def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_before_admission(
     own_r3_server, scheduler_harness_factory
 ):
     """vLLM asks ``get_num_new_matched_tokens`` again when it could not allocate a request, and aborts requests that
     still wait: the tail past the joint hit is released once, the rest when the request ends unadmitted. Another
-    reader's locks on the same chunks (``holder``, a plain LMCache lookup) are never touched."""
+    reader's locks on the same chunks are never touched."""
     from vllm.v1.request import RequestStatus
 
-    from lmcache_r3.mp.r3_client import R3Client
-
     server = own_r3_server
-    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    harness, tokens = cut_hit_beside_a_holder(server, scheduler_harness_factory, seed=12)
     connector = harness.scheduler.connector
-    adapter = connector.scheduler_adapter
-    tokens = prompt(4 * CHUNK + 9, seed=12)
-    harness.generate([("first", tokens)], max_tokens=3)
-    harness.settle_stores()
-    with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
-        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
-
-    # ``read_locked_count`` counts locked objects, not locks: the holder keeps all 4 locked throughout, so the
-    # count drops only when a lock of the holder's is taken away, or stays up when a lock of ours is left behind.
-    adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
-    kv_lookup_answer(adapter, "holder")
-    assert wait_locks(server, 4) == 4
-
     request = harness.make_request("waiting", tokens)
     fetches = connector.routed.counters.values["fetches"]
     assert lookup(connector, request)[0] == CHUNK  # KV for 4 chunks, R3 for 1: the joint hit; 3 chunks released
@@ -516,8 +529,7 @@ def test_lookup_locks_are_released_once_when_vllm_asks_again_and_at_an_abort_bef
     request.status = RequestStatus.FINISHED_ABORTED  # aborted while it waits: never admitted
     harness.finish_by_hand(request, [])
     assert connector.counters.values["locks_released_at_finish_chunks"] == 1  # the 3 past the joint hit were gone
-    adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
-    adapter.cleanup_lookup_result("holder")
+    release_the_holder(harness, tokens)
     assert wait_locks(server, 0) == 0, "the aborted, never admitted request kept its lock on the first chunk"
 
 
@@ -529,34 +541,17 @@ def test_a_cut_hit_asked_again_after_the_local_hit_grew_past_it_releases_its_tai
     release the tail past the joint hit a second time: that would strip another reader's locks (``holder``)."""
     from vllm.v1.request import RequestStatus
 
-    from lmcache_r3.mp.r3_client import R3Client
     from tests.connector.test_admission import AllocatedBlocks
 
     server = own_r3_server
-    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    harness, tokens = cut_hit_beside_a_holder(server, scheduler_harness_factory, seed=14)
     connector = harness.scheduler.connector
-    adapter = connector.scheduler_adapter
-    tokens = prompt(4 * CHUNK + 9, seed=14)
-    harness.generate([("first", tokens)], max_tokens=3)
-    harness.settle_stores()
-    with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:
-        assert client.delete(tokens, CHUNK, 4 * CHUNK).result().num_deleted == 3
-    adapter.maybe_submit_lookup_request("holder", token_ids=tokens)
-    kv_lookup_answer(adapter, "holder")
-    assert wait_locks(server, 4) == 4
-
     request = harness.make_request("waiting", tokens)
     assert lookup(connector, request)[0] == CHUNK  # KV for 4 chunks, R3 for 1: 3 chunks released
-    local = 4 * CHUNK  # vLLM's own cache now covers the whole KV hit
-    deadline = time.monotonic() + 20
-    while (answer := connector.get_num_new_matched_tokens(request, local))[0] is None:
-        assert time.monotonic() < deadline, "the second ask did not answer"
-        time.sleep(0.01)
-    assert answer == (0, False)
+    assert lookup(connector, request, 4 * CHUNK) == (0, False)  # vLLM's own cache now covers the whole KV hit
     connector.update_state_after_alloc(request, AllocatedBlocks([list(range(1, 6))]), 0)
     assert locks_stay(server, 4) == 4, "the tail was released twice: the holder lost its locks"
-    adapter.free_lookup_locks(tokens, 0, 4 * CHUNK, "holder")
-    adapter.cleanup_lookup_result("holder")
+    release_the_holder(harness, tokens)
     assert wait_locks(server, 0) == 0, "a lock of the admitted request was left behind"
     request.status = RequestStatus.FINISHED_ABORTED
     harness.finish_by_hand(request, [])

@@ -76,6 +76,15 @@ def worker_output(step: int, start: int, end: int, salt: int = 0) -> R3WorkerMet
     return R3WorkerMetadata(step=step, slots=slots(start, end), rows=rows(start, end, salt))
 
 
+def finish(book: RoutedExpertsBook, request: Request, status: str = "FINISHED_LENGTH_CAPPED") -> dict | None:
+    """End ``request`` as vLLM does: ``request_finished``, then the (empty) worker output of the step it ended in,
+    which completes its params."""
+    request.status = status
+    params = book.request_finished(request, None)
+    book.on_worker_output(R3WorkerMetadata())
+    return params
+
+
 @pytest.fixture
 def book(r3_server):
     client = R3Client(r3_server.url, "book-model", PROFILE)
@@ -125,9 +134,7 @@ def test_a_step_whose_rows_never_arrive_makes_the_output_an_error_never_rows(boo
     second = book.on_schedule(SchedulerOutput({"lost": 19}, [], CachedRequests(["lost"], [None], set(), [20])), 0)
     request.num_computed_tokens = 39
     book.on_worker_output(worker_output(second, 20, 39))  # step `first` never reported its rows
-    request.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(request, None)
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, request)
     assert first == second - 1
     assert ROUTED_EXPERTS_KEY not in params
     assert f"engine step {first} never arrived" in params[ROUTED_EXPERTS_ERROR_KEY]
@@ -142,9 +149,7 @@ def test_finished_request_returns_every_position_from_the_mirror(book):
     request.num_computed_tokens = 70
     request.all_token_ids.append(7)  # the token sampled in that step finishes the request
     book.on_worker_output(worker_output(step, 0, 70))
-    request.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(request, None)
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, request)
     np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, 70))
     assert params["lmcache_r3_sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 70}
 
@@ -172,9 +177,7 @@ def test_a_request_with_multimodal_inputs_never_fetches_or_publishes_r3_and_retu
     request.num_computed_tokens = len(tokens)
     request.all_token_ids.append(7)
     book.on_worker_output(worker_output(step, 0, len(tokens)))
-    request.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(request, None)
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, request)
     book.settle(5)
     np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, len(tokens)))
     assert book.counters.snapshot()["chunks_published"] == 0 and book.counters.snapshot()["requests_local_only"] == 1
@@ -199,9 +202,7 @@ def test_parallel_sampling_children_carry_every_siblings_rows_and_the_last_to_en
         request.num_computed_tokens = 41
         request.all_token_ids.append(7)
         book.on_worker_output(worker_output(step, 0, 41, salt=index))
-        request.status = "FINISHED_LENGTH_CAPPED"
-        params[ids[index]] = book.request_finished(request, None)
-        book.on_worker_output(R3WorkerMetadata())
+        params[ids[index]] = finish(book, request)
 
     book.on_new_request(ids[0])
     run(0)  # ends before its siblings are added
@@ -244,9 +245,7 @@ def test_a_prefix_hit_ending_inside_a_block_copied_on_write_returns_the_source_b
     positions = np.arange(40, 70)
     computed = np.asarray(table)[positions // BLOCK] * BLOCK + positions % BLOCK
     book.on_worker_output(R3WorkerMetadata(step=step, slots=computed, rows=rows(40, 70, salt=2)))
-    second.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(second, None)
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, second)
     returned = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
     np.testing.assert_array_equal(returned[:40], rows(0, 40))  # vLLM's hit: the source's rows, none of block 20's
     np.testing.assert_array_equal(returned[40:], rows(40, 70, salt=2))
@@ -280,9 +279,7 @@ def test_a_store_of_a_request_preempted_before_its_rows_came_waits_for_the_rows_
     slots_now = np.asarray(table)[positions // BLOCK] * BLOCK + positions % BLOCK
     book.on_worker_output(R3WorkerMetadata(step=step2, slots=slots_now, rows=rows(CHUNK, 133, salt=4)))
     request.all_token_ids.append(7)
-    request.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(request, None)
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, request)
     assert ROUTED_EXPERTS_ERROR_KEY not in params, params.get(ROUTED_EXPERTS_ERROR_KEY)
     returned = decode_routed_experts(params[ROUTED_EXPERTS_KEY])
     np.testing.assert_array_equal(returned[:CHUNK], rows(0, CHUNK))
@@ -308,9 +305,7 @@ def test_an_incomplete_last_child_keeps_its_siblings_rows_and_says_why_for_itsel
     done.num_computed_tokens = 20
     done.all_token_ids.append(7)
     book.on_worker_output(worker_output(step, 0, 20))
-    done.status = "FINISHED_LENGTH_CAPPED"
-    book.request_finished(done, None)
-    book.on_worker_output(R3WorkerMetadata())
+    finish(book, done)
     lost = Request(ids[1], list(range(700, 720)))
     first = start_request(book, lost, 10)  # this step's rows never arrive
     lost.num_computed_tokens = 10
@@ -319,9 +314,7 @@ def test_an_incomplete_last_child_keeps_its_siblings_rows_and_says_why_for_itsel
     lost.num_computed_tokens = 20
     lost.all_token_ids.append(9)
     book.on_worker_output(worker_output(second, 10, 20))
-    lost.status = "FINISHED_LENGTH_CAPPED"
-    params = book.request_finished(lost, None)  # the last child: its params are the ones the user gets
-    book.on_worker_output(R3WorkerMetadata())
+    params = finish(book, lost)  # the last child: its params are the ones the user gets
     assert f"engine step {first} never arrived" in params[ROUTED_EXPERTS_ERROR_KEY]
     np.testing.assert_array_equal(routed_experts_from_params(params, done.all_token_ids, index=0), rows(0, 20))
     with pytest.raises(RoutedExpertsUnavailable, match=f"engine step {first} never arrived"):
@@ -477,9 +470,7 @@ def test_a_finishing_requests_r3_goes_out_in_its_last_step(batched_book):
     request.num_computed_tokens = CHUNK + 6
     book.on_worker_output(worker_output(step, 0, CHUNK + 6))
     assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 0  # batched: 100 steps to go
-    request.status = "FINISHED_STOPPED"
-    book.request_finished(request, None)
-    book.on_worker_output(R3WorkerMetadata())  # the step it finished in
+    finish(book, request, "FINISHED_STOPPED")
     assert fetched_chunks(book.client, request.all_token_ids, 1) == 1  # its next turn finds it at once
 
 

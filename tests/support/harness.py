@@ -655,11 +655,12 @@ class SchedulerHarness:
 
 
 # -- lookups and locks, as vLLM's scheduler drives the connector -----------------------------------------------------
-def lookup(connector, request, timeout_s: float = 20.0) -> tuple[int, bool]:
-    """``get_num_new_matched_tokens(request, 0)`` until the LMCache lookup answers (vLLM asks every step)."""
+def lookup(connector, request, num_computed_tokens: int = 0, timeout_s: float = 20.0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens(request, num_computed_tokens)`` (vLLM's own hit) until the LMCache lookup answers
+    (vLLM asks every step)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        hit, is_async = connector.get_num_new_matched_tokens(request, 0)
+        hit, is_async = connector.get_num_new_matched_tokens(request, num_computed_tokens)
         if hit is not None:
             return hit, is_async
         assert time.monotonic() < deadline, "lookup did not answer"
