@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -87,7 +88,12 @@ MODEL = "bench-model"
 KV_LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
 TASK_TIMEOUT_S = 120.0
-SHM_IO_THREADS, SHM_PARALLEL_MIN_BYTES = 2, 8 << 20
+SHM_IO_THREADS, SHM_PARALLEL_MIN_BYTES, SHM_PARALLEL_MIN_OBJECT_BYTES, SHM_INLINE_MAX_BYTES = (
+    2,
+    8 << 20,
+    1 << 20,
+    4 << 20,
+)
 """The shm tier's ``io_threads`` and ``parallel_min_bytes``, set here so the report can say which batches split."""
 R3_REPEATS = 5
 """R3 batches run this many times the repeats: a call of a few milliseconds over loopback varies 2x run to run."""
@@ -465,14 +471,32 @@ class Sample:
 class InnerCalls:
     """Seconds spent inside a tier's underlying calls, summed per operation: the shm tier's ``ShmObjectStore``
     methods (file system calls and checksums) and the Mooncake tier's native client calls (what raw Mooncake makes
-    too). One path runs at a time, so one accumulator serves every path."""
+    too). One path runs at a time, so one accumulator serves every path. The timers wrap the calls only while
+    :meth:`installed` (they cost about a microsecond a call, which the timed rounds must not pay)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._targets: list[tuple[object, str, str]] = []
 
     def wrap(self, owner, name: str, operation: str) -> None:
-        original = getattr(owner, name)
+        """Time ``owner.name`` as part of ``operation`` whenever the timers are installed."""
+        self._targets.append((owner, name, operation))
 
+    def forget(self, owner) -> None:
+        self._targets = [target for target in self._targets if target[0] is not owner]
+
+    @contextmanager
+    def installed(self):
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in self._targets]
+        for (owner, name, original), (_, _, operation) in zip(originals, self._targets, strict=True):
+            setattr(owner, name, self._timed(original, operation))
+        try:
+            yield
+        finally:
+            for owner, name, original in reversed(originals):
+                setattr(owner, name, original)
+
+    def _timed(self, original, operation: str):
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
@@ -480,7 +504,7 @@ class InnerCalls:
             finally:
                 self.seconds[operation] = self.seconds.get(operation, 0.0) + time.perf_counter() - started
 
-        setattr(owner, name, timed)
+        return timed
 
     def take(self) -> dict[str, float]:
         taken, self.seconds = self.seconds, {}
@@ -488,6 +512,12 @@ class InnerCalls:
 
 
 INNER = InnerCalls()
+INNER_PATHS = ("shm", "mooncake")
+MOONCAKE_PATHS = frozenset({"mooncake", "mooncake_staged", "raw_mooncake", "mooncake_floor"})
+"""The paths over Mooncake: they take turns among themselves, and the others among themselves, in every repeat."""
+GROUP_PAUSE_S = 0.2
+"""The pause before each group of paths."""
+"""The tiers whose underlying calls are timed, in rounds of their own after the timed ones."""
 MOONCAKE_NATIVE = {"_write": "put", "_write_parts": "put", "_exists": "lookup", "_read": "load", "_query": "load",
                    "_read_parts": "load"}  # fmt: skip
 """The Mooncake tier's native calls (module functions of ``mooncake_store``), by the operation that makes them."""
@@ -517,8 +547,11 @@ def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarra
     return Sample(put_s, get_s, lookup_s, inner)
 
 
-def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[str, list[Sample]], int]:
-    """Every path's samples, and the Mooncake tier's ``batch_bytes``."""
+def measure(
+    kind: Kind, cluster: MooncakeCluster, repeats: int
+) -> tuple[dict[str, list[Sample]], dict[str, list[Sample]], int]:
+    """Every path's samples, the tiers' samples from the instrumented rounds (see :class:`InnerCalls`), and the
+    Mooncake tier's ``batch_bytes``."""
     arena = np.zeros(2 * kind.source.nbytes, dtype=np.uint8)  # one L1 arena holds both sides, as LMCache's L1 does
     arena[: kind.source.nbytes] = kind.source
     kind.source, target = arena[: kind.source.nbytes], arena[kind.source.nbytes :]  # target: touched, like a warm L1
@@ -526,11 +559,14 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
     shm_root = tempfile.mkdtemp(prefix=f"r3-bench-shm-{kind.name}-", dir="/dev/shm")  # mode 0700, ours
     fs_root = tempfile.mkdtemp(prefix=f"r3-bench-fs-{kind.name}-", dir="/dev/shm")
     paths: list = []
+    shm_tier = None
     try:
         shm = {
             "capacity_bytes": 4 * kind.total,
             "io_threads": SHM_IO_THREADS,
             "parallel_min_bytes": SHM_PARALLEL_MIN_BYTES,
+            "parallel_min_object_bytes": SHM_PARALLEL_MIN_OBJECT_BYTES,
+            "inline_max_bytes": SHM_INLINE_MAX_BYTES,
         }
         shm_tier = ShmL2Adapter(dict(shm, root=shm_root))
         for name, operation in (("put", "put"), ("exists", "lookup"), ("get_into", "load")):
@@ -568,20 +604,39 @@ def measure(kind: Kind, cluster: MooncakeCluster, repeats: int) -> tuple[dict[st
         paths.append(FileFloorPath(kind))
 
         samples: dict[str, list[Sample]] = {path.name: [] for path in paths}
+        groups = [
+            [path for path in paths if (path.name in MOONCAKE_PATHS) == over_mooncake]
+            for over_mooncake in (False, True)
+        ]
         for repeat in range(repeats + 1):  # repeat 0 warms every path up and is not counted
-            for path in paths[repeat % len(paths) :] + paths[: repeat % len(paths)]:  # a new order every repeat
-                if isinstance(path, AdapterPath):
-                    sample = one_round(path, kind, repeat, sources, targets, target)
-                else:
-                    sample = one_round(path, kind, repeat, kind.source, target, target)
-                if repeat:
-                    samples[path.name].append(sample)
-        return samples, settings_from_params(params).batch_bytes
+            for group in groups:  # a new order every repeat, within each group
+                time.sleep(GROUP_PAUSE_S)
+                for path in group[repeat % len(group) :] + group[: repeat % len(group)]:
+                    if isinstance(path, AdapterPath):
+                        sample = one_round(path, kind, repeat, sources, targets, target)
+                    else:
+                        sample = one_round(path, kind, repeat, kind.source, target, target)
+                    if repeat:
+                        samples[path.name].append(sample)
+        instrumented: dict[str, list[Sample]] = {name: [] for name in INNER_PATHS}
+        with INNER.installed():
+            for repeat in range(repeats + 1, 2 * repeats + 1):
+                for path in paths:
+                    if path.name in instrumented:
+                        instrumented[path.name].append(one_round(path, kind, repeat, sources, targets, target))
+        return samples, instrumented, settings_from_params(params).batch_bytes
     finally:
+        if shm_tier is not None:
+            INNER.forget(shm_tier._store)
         for path in paths:
             path.close()
         shutil.rmtree(shm_root, ignore_errors=True)
         shutil.rmtree(fs_root, ignore_errors=True)
+
+
+def shm_parallel(kind: Kind) -> bool:
+    """Whether the shm tier copies a batch of ``kind`` on several threads."""
+    return kind.total >= SHM_PARALLEL_MIN_BYTES and kind.nbytes >= SHM_PARALLEL_MIN_OBJECT_BYTES
 
 
 # -- reporting ------------------------------------------------------------------------------------------------------
@@ -593,15 +648,20 @@ class Figures:
     get_ms: float
     lookup_ms: float
     inner_ms: dict[str, float]
-    """Median milliseconds inside the tier's underlying calls, by operation (empty for the other paths)."""
+    """Median milliseconds inside the tier's underlying calls, by operation, and of the whole put and get, in the
+    instrumented rounds (empty for the other paths)."""
 
 
-def figures(kind: Kind, samples: list[Sample]) -> Figures:
+def figures(kind: Kind, samples: list[Sample], instrumented: list[Sample]) -> Figures:
     put_s = statistics.median(s.put_s for s in samples)
     get_s = statistics.median(s.get_s for s in samples)
     lookup_s = statistics.median(s.lookup_s for s in samples)
-    operations = sorted({operation for s in samples for operation in s.inner})
-    inner = {op: statistics.median(s.inner.get(op, 0.0) for s in samples) * 1e3 for op in operations}
+    inner = {}
+    if instrumented:
+        operations = sorted({operation for s in instrumented for operation in s.inner})
+        inner = {op: statistics.median(s.inner.get(op, 0.0) for s in instrumented) * 1e3 for op in operations}
+        inner["whole put"] = statistics.median(s.put_s for s in instrumented) * 1e3
+        inner["whole get"] = statistics.median(s.get_s for s in instrumented) * 1e3
     return Figures(kind.total / put_s / 1e9, kind.total / get_s / 1e9, put_s * 1e3, get_s * 1e3, lookup_s * 1e3, inner)
 
 
@@ -646,7 +706,9 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         f"A batch of {args.objects} objects of each kind, and R3 once more as the {args.r3_request_objects} chunks of "
         f"one {args.r3_request_objects * CHUNK // 1024}k-token request; medians of {args.repeats} repeats (R3 x "
         f"{args.objects}: {args.repeats * R3_REPEATS}, as its few-millisecond calls vary more) after one warm-up, all "
-        "paths interleaved (in a rotating order) in every repeat; GB/s is 10^9 bytes of payload per second. Objects:",
+        "paths run in every repeat, in two groups (the paths over Mooncake, and the others) that each take turns "
+        f"in a rotating order, after a {GROUP_PAUSE_S:.1f} s pause, so each goal's ratio compares paths measured "
+        "side by side; GB/s is 10^9 bytes of payload per second. Objects:",
         "",
     ]
     out += [
@@ -678,9 +740,13 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
         "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "
         "where each one follows an eviction. `recycle_bytes: 0` shows a put into new tmpfs pages (a tier still "
-        f"filling up). The shm tier copies a batch of at least its `parallel_min_bytes` "
-        f"({SHM_PARALLEL_MIN_BYTES >> 20} MiB) on its {SHM_IO_THREADS} `io_threads`: "
-        + ", ".join(f"{k.name} on {SHM_IO_THREADS if k.total >= SHM_PARALLEL_MIN_BYTES else 1}" for k in kinds)
+        "filling up). The shm tier runs a task of at most its `inline_max_bytes` (4 MiB on tmpfs), and every "
+        "lookup, on the thread that submits it, and bigger ones on its workers: "
+        + ", ".join(f"{k.name} {'inline' if k.total <= SHM_INLINE_MAX_BYTES else 'on workers'}" for k in kinds)
+        + f". It copies a batch of at least its `parallel_min_bytes` ({SHM_PARALLEL_MIN_BYTES >> 20} MiB) of "
+        f"objects of at least `parallel_min_object_bytes` ({SHM_PARALLEL_MIN_OBJECT_BYTES >> 20} MiB) each on its "
+        f"{SHM_IO_THREADS} `io_threads`: "
+        + ", ".join(f"{k.name} on {SHM_IO_THREADS if shm_parallel(k) else 1}" for k in kinds)
         + ".",
         "",
         "| path | " + " | ".join(f"{k.name} put | {k.name} get | {k.name} get: lookup" for k in kinds) + " |",
@@ -737,10 +803,9 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
             f"{files.get_gbps / copy_ms.get_gbps:.2f}x memcpy, "
             + ("within" if within else "short of")
             + " the goal before any checksum, accounting, task or thread. The shm tier takes "
-            f"{ms(shm.put_ms)} / {ms(shm.get_ms)}; its lookup alone (one `stat` per object and the hand-off of one "
-            f"task to a worker thread and back through the event fd) takes {ms(shm.lookup_ms)}, and a get is a "
-            "lookup task plus a load task. For objects this small the tier's cost is per object and per task, not "
-            "per byte.",
+            f"{ms(shm.put_ms)} / {ms(shm.get_ms)}; its lookup alone (one `stat` per object, on the calling thread) "
+            f"takes {ms(shm.lookup_ms)}, and a get is a lookup task plus a load task. For objects this small the "
+            "tier's cost is per object, not per byte: the file system calls and the checksum of each.",
         ]
         raw, tier, staged, floor = (
             results["R3"][name] for name in ("raw_mooncake", "mooncake", "mooncake_staged", "mooncake_floor")
@@ -767,7 +832,9 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
     if r3_kinds:
         out += [
             "",
-            "Inside the tiers, the same R3 runs: the time a put and a get spent in the tier's underlying calls "
+            "Inside the tiers, R3 again, in as many rounds of their own after the timed ones, with a timer around "
+            "each underlying call (the timed rounds above run without them: they cost about a microsecond a call): "
+            "the whole put and get of these rounds, and the time they spent in the tier's underlying calls "
             "(the shm tier's `ShmObjectStore` methods: its file system calls and checksums; the Mooncake tier's "
             "native client calls, which raw Mooncake makes too), medians per batch, summed over the threads that "
             "make them (the shm tier splits a batch of at least its `parallel_min_bytes` over its `io_threads`, so "
@@ -782,11 +849,11 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         ]
         for kind in r3_kinds:
             for name in ("shm", "mooncake"):
-                f = results[kind.name][name]
-                lookup, load = f.inner_ms.get("lookup", 0.0), f.inner_ms.get("load", 0.0)
+                inner = results[kind.name][name].inner_ms
+                lookup, load, put, get = (inner.get(k, 0.0) for k in ("lookup", "load", "whole put", "whole get"))
                 out.append(
-                    f"| {LABELS[name].split(' (')[0]}, {kind.name} | {ms(f.put_ms)} | {ms(f.inner_ms.get('put', 0.0))} "
-                    f"| {ms(f.get_ms)} | {ms(lookup)} | {ms(load)} | {ms(f.get_ms - lookup - load)} |"
+                    f"| {LABELS[name].split(' (')[0]}, {kind.name} | {ms(put)} | {ms(inner.get('put', 0.0))} "
+                    f"| {ms(get)} | {ms(lookup)} | {ms(load)} | {ms(get - lookup - load)} |"
                 )
     return "\n".join(out) + "\n"
 
@@ -831,8 +898,10 @@ def main() -> int:
         )
         for make in makers:
             kind = make()
-            samples, batch_bytes = measure(kind, cluster, args.repeats * (R3_REPEATS if kind.name == "R3" else 1))
-            results[kind.name] = {name: figures(kind, samples[name]) for name in PATHS}
+            samples, instrumented, batch_bytes = measure(
+                kind, cluster, args.repeats * (R3_REPEATS if kind.name == "R3" else 1)
+            )
+            results[kind.name] = {name: figures(kind, samples[name], instrumented.get(name, [])) for name in PATHS}
             kind.source = kind.source[:0]  # the report needs only the sizes
             kinds.append(kind)
     except BenchFailure as failure:

@@ -18,8 +18,14 @@ Loaded by LMCache's stock plugin factory::
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (default 2 / 1 / 2), ``durable`` (False).
 * ``recycle_bytes`` (default: the capacity; 0 turns it off): removed objects' files kept to be rewritten by later
   puts (see :mod:`lmcache_r3.tiers.shm_store`, "Recycling").
-* ``io_threads`` (default 2): a task of several objects totalling at least ``parallel_min_bytes`` (default 8 MiB)
-  copies them on this many threads at once (one tmpfs copy stream does not saturate memory bandwidth).
+* ``io_threads`` (default 2): a task of several objects totalling at least ``parallel_min_bytes`` (default 8 MiB),
+  of ``parallel_min_object_bytes`` (default 1 MiB) each on average, copies them on this many threads at once (one
+  tmpfs copy stream does not saturate memory bandwidth). Smaller objects are copied on one thread: the Python work
+  around each one holds the interpreter lock, and threads taking turns at it are slower than one thread alone.
+* ``inline_max_bytes`` (default 4 MiB on a tmpfs root without ``durable``, else 0): a store or load task of at most
+  this many bytes, and every lookup, runs on the caller's thread (LMCache's controller) instead of a worker. On tmpfs
+  such a task is a few hundred microseconds of memory copies, less than the two thread wake-ups a hand-off costs,
+  and it cannot stall on a device. 0 hands every task to a worker, where the watchdog bounds it.
 
 Key encoding
 ------------
@@ -100,9 +106,13 @@ _PARAMS = frozenset(
         "recycle_bytes",
         "io_threads",
         "parallel_min_bytes",
+        "parallel_min_object_bytes",
+        "inline_max_bytes",
     }
 )
 _WORKERS = {"store": 2, "lookup": 1, "load": 2}
+_NAMES_MAX = 1 << 16
+"""Store keys of this many recent ``ObjectKey`` s are remembered (a key is named by every task that touches it)."""
 
 
 # -- keys ------------------------------------------------------------------------------------------------------------
@@ -149,14 +159,6 @@ def decode_object_key(encoded: bytes) -> ObjectKey | None:
     return key if encode_object_key(key) == bytes(encoded) else None
 
 
-def _nbytes(obj: Any) -> int:
-    """The size of an L1 memory object, 0 for one whose bytes cannot be seen (its operation will fail and count)."""
-    try:
-        return byte_view(obj).nbytes
-    except Exception:
-        return 0
-
-
 # -- the adapter -----------------------------------------------------------------------------------------------------
 class ShmL2Adapter(TaskL2Adapter):
     """An ``L2AdapterInterface`` over :class:`ShmObjectStore` (see the module for the design)."""
@@ -165,6 +167,7 @@ class ShmL2Adapter(TaskL2Adapter):
 
     def __init__(self, adapter_params: dict[str, Any], l1_memory_desc: Any = None) -> None:
         params = dict(adapter_params or {})
+        self._names: dict[ObjectKey, bytes] = {}
         unknown = sorted(set(params) - _PARAMS)
         if unknown:
             raise ValueError(f"ShmL2Adapter: unknown adapter_params {unknown}; known: {sorted(_PARAMS)}")
@@ -199,6 +202,9 @@ class ShmL2Adapter(TaskL2Adapter):
         if io_threads < 1:
             raise ValueError(f"ShmL2Adapter: adapter_params.io_threads must be >= 1, got {io_threads}")
         self._parallel_min_bytes = int(params.get("parallel_min_bytes", 8 << 20))
+        self._parallel_min_object_bytes = int(params.get("parallel_min_object_bytes", 1 << 20))
+        in_memory = self._store.on_tmpfs and not self._store.durable
+        self._inline_max_bytes = int(params.get("inline_max_bytes", 4 << 20 if in_memory else 0))
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="shm-l2-io") if io_threads > 1 else None
         self._io_threads = io_threads
         self._l1_memory_desc = l1_memory_desc
@@ -233,28 +239,47 @@ class ShmL2Adapter(TaskL2Adapter):
 
     # -- the store's operations --------------------------------------------------------------------------------------
     def _name(self, key: ObjectKey) -> bytes:
-        return encode_object_key(key)
+        try:
+            name = self._names.get(key)
+        except TypeError:  # a key with an unhashable field (a bytearray chunk hash, say)
+            return encode_object_key(key)
+        if name is None:
+            if len(self._names) >= _NAMES_MAX:
+                self._names.clear()  # atomic, unlike evicting one entry while other threads add theirs
+            name = self._names[key] = encode_object_key(key)
+        return name
 
     def _each(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any], doing: str, operation
     ) -> Iterator[tuple[int, memoryview, Any]]:
         """``(i, view, operation(names[i], view, buffers))`` per object, in order, until a hold on the task's buffers
-        is refused (the task was failed); a raise is counted, logged and skips the object. A big task runs on
-        ``io_threads`` threads, each taking every n-th."""
+        is refused (the task was failed); a raise is counted, logged and skips the object. A big task of big objects
+        runs on ``io_threads`` threads, each taking every n-th."""
         buffers = self._buffers(task)
         count = min(len(keys), len(names), len(objects))
+        self._prepare(names[:count])
+        views: list[memoryview | None] = []
+        for i in range(count):
+            try:
+                views.append(byte_view(objects[i]))
+            except Exception as err:
+                views.append(None)
+                self._count("errors")
+                logger.warning("ShmL2Adapter: %s %s failed: its buffer cannot be read: %s", doing, keys[i], err)
         lanes = [range(count)]
         if self._io is not None and count > 1:
-            total = sum(_nbytes(obj) for obj in objects[:count])
-            if total >= self._parallel_min_bytes:
+            total = sum(view.nbytes for view in views if view is not None)
+            if total >= self._parallel_min_bytes and total >= count * self._parallel_min_object_bytes:
                 n = min(self._io_threads, count)
                 lanes = [range(lane, count, n) for lane in range(n)]
 
         def run(indices: range) -> list[tuple[int, memoryview, Any]]:
             done = []
             for i in indices:
+                view = views[i]
+                if view is None:
+                    continue
                 try:
-                    view = byte_view(objects[i])
                     done.append((i, view, operation(names[i], view, buffers)))
                 except BuffersGone:
                     break
@@ -272,6 +297,16 @@ class ShmL2Adapter(TaskL2Adapter):
             results += future.result()  # run() never raises
         yield from sorted(results, key=lambda item: item[0])
 
+    def _inline(self, kind: str, objects: list[Any] | None) -> bool:
+        if self._inline_max_bytes <= 0:
+            return False
+        if objects is None:
+            return True  # a lookup: one stat per key
+        try:
+            return sum(obj.get_size() for obj in objects) <= self._inline_max_bytes
+        except Exception:
+            return False  # a buffer it cannot size: the task fails on a worker, like any other
+
     def _put(
         self, task: Task, keys: list[ObjectKey], names: list[bytes], objects: list[Any]
     ) -> Iterator[tuple[int, int, int]]:
@@ -279,7 +314,15 @@ class ShmL2Adapter(TaskL2Adapter):
         for i, view, published in self._each(task, keys, names, objects, "storing", self._store.put):
             yield i, view.nbytes, view.nbytes if published else 0
 
+    def _prepare(self, names: list[bytes]) -> None:
+        """Work out the file names of a task's objects at once (an invalid one fails its own object later)."""
+        try:
+            self._store.prepare(names)
+        except Exception:
+            pass
+
     def _find(self, task: Task, keys: list[ObjectKey], names: list[bytes]) -> Iterator[int]:
+        self._prepare(names)
         for i, (key, name) in enumerate(zip(keys, names, strict=True)):
             if task.abandoned:
                 return

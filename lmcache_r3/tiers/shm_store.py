@@ -55,7 +55,6 @@ Example::
 from __future__ import annotations
 
 import base64
-import functools
 import itertools
 import os
 import stat
@@ -66,9 +65,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
-from lmcache_r3.tiers.holds import UNHELD, CallerBuffers
+from lmcache_r3.tiers.holds import UNHELD, BuffersGone, CallerBuffers
 
 MAX_KEY_BYTES = 155
 """Longest key accepted: its base32 name (248 characters) stays under NAME_MAX = 255."""
@@ -207,6 +207,23 @@ def open_trusted_root(root: str | os.PathLike[str]) -> Path:
     return path
 
 
+def file_system_type(path: str | os.PathLike[str]) -> str | None:
+    """The type of the file system holding ``path`` (``"tmpfs"``, ``"ext4"``, ...) from /proc/self/mountinfo, or
+    None when it cannot be told."""
+    try:
+        dev = os.stat(path).st_dev
+        wanted = f"{os.major(dev)}:{os.minor(dev)}"
+        found = None
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) > 3 and fields[2] == wanted and "-" in fields:
+                    found = fields[fields.index("-") + 1]  # the last mount of the device is the one on top
+        return found
+    except (OSError, IndexError):
+        return None
+
+
 class ShmObjectStore:
     """Immutable objects as checksummed files under a trusted root, with LRU capacity and a TTL (see the module).
 
@@ -239,6 +256,8 @@ class ShmObjectStore:
         if recycle_bytes is not None and recycle_bytes < 0:
             raise ValueError(f"recycle_bytes must be >= 0 (0: none) or None (the capacity), got {recycle_bytes}")
         self.root = open_trusted_root(root)
+        self.on_tmpfs = file_system_type(self.root) == "tmpfs"
+        """Whether the root is in memory (tmpfs): its calls are memory copies and cannot stall on a device."""
         self.capacity_bytes = capacity_bytes
         self.ttl_seconds = ttl_seconds
         self.durable = durable
@@ -286,6 +305,7 @@ class ShmObjectStore:
             ObjectTooLargeError: the object alone exceeds ``capacity_bytes``.
             OSError: the root is full or unwritable.
         """
+        key = _key_bytes(key)
         path = self._path(key)
         payload = memoryview(data).cast("B")
         file_size = HEADER.size + payload.nbytes
@@ -296,8 +316,9 @@ class ShmObjectStore:
             )
         if self._adopt_existing(key, path):
             return False
-        temp = os.path.join(self._root, self._unique_name(TEMP_PREFIX))
+        temp = f"{self._root}/{self._unique_name(TEMP_PREFIX)}"
         recycled = self._make_room(file_size, keep=key, claim_as=temp)  # reserves file_size, given back below
+        reserved = True
         try:
             fd = _open_temp(temp, recycled)
             try:
@@ -305,9 +326,13 @@ class ShmObjectStore:
                 # object since with one of another size (and a free file could have been retired in such a race).
                 if recycled and os.fstat(fd).st_size != file_size:
                     os.ftruncate(fd, file_size)
-                with buffers.held():
-                    digest = xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key)))
+                if not buffers.hold():
+                    raise BuffersGone("the task was failed; its buffers are no longer the tier's to read")
+                try:
+                    digest = xxhash.xxh3_64_intdigest(payload, key_seed(key))
                     write_all(fd, memoryview(encode_header(payload.nbytes, digest)), payload)
+                finally:
+                    buffers.release()
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -317,42 +342,79 @@ class ShmObjectStore:
             except FileExistsError:
                 self._adopt_existing(key, path)
                 return False
-            with self._lock:
+            with self._lock:  # counted before the reservation goes: never under the capacity's view
                 self._stats["bytes_written"] += payload.nbytes
                 self._stats["recycled"] += recycled
-            self._touch(key, file_size)  # counted before the reservation goes: never under the capacity's view
+                self._count_use(key, file_size)
+                self._used -= file_size
+                reserved = False
             return True
         finally:
-            with self._lock:
-                self._used -= file_size
+            if reserved:
+                with self._lock:
+                    self._used -= file_size
             _unlink_quietly(temp)
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
-        return self._read_verified(key, _read_bytes)
+        return self._read_verified(key)
 
     def get_into(self, key: bytes, buffer: bytearray | memoryview, buffers: CallerBuffers = UNHELD) -> int | None:
         """Read the payload of ``key`` into the start of ``buffer`` (no intermediate copy); its length, or None.
 
-        On None the first bytes of ``buffer`` may have been overwritten with data that failed its checksum. ``buffer``
-        is written and checksummed under one hold of ``buffers``.
+        One ``readv`` takes the header, the payload and one byte more (which must find the file's end). On None the
+        first bytes of ``buffer`` may have been overwritten with data that failed its checks. ``buffer`` is written
+        and checksummed under one hold of ``buffers``.
 
         Raises:
             BuffersGone: the hold was refused; ``buffer`` was not touched.
-            BufferTooSmallError: ``buffer`` is shorter than the payload (nothing is read; the object stays).
+            BufferTooSmallError: ``buffer`` is shorter than the payload (it was overwritten; the object stays).
         """
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise TypeError("get_into needs a writable buffer (bytearray, writable memoryview, numpy array)")
-        payload = self._read_verified(key, lambda fd, length: _read_into(fd, target, length), buffers)
-        return None if payload is None else len(payload)
+        key = _key_bytes(key)
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return self._miss(key)
+        try:
+            header = bytearray(HEADER.size)
+            if not buffers.hold():
+                raise BuffersGone("the task was failed; its buffers are no longer the tier's to write")
+            try:
+                views = [memoryview(header), target, memoryview(bytearray(1))]
+                count = os.readv(fd, views)
+                if count != HEADER.size + _declared_length(header):  # a short read or a file of the wrong size
+                    count += _read_fully(fd, unwritten(views, count))
+                decoded = decode_header(header)
+                if decoded is None:
+                    raise _Corrupt
+                length, digest = decoded
+                if length > target.nbytes and count == HEADER.size + target.nbytes + 1:
+                    raise BufferTooSmallError(
+                        f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
+                        f"pass a buffer of at least {length} bytes"
+                    )
+                if count != HEADER.size + length:
+                    raise _Corrupt  # the file is shorter or longer than its header says
+                intact = xxhash.xxh3_64_intdigest(target[:length], key_seed(key)) == digest
+            finally:
+                buffers.release()
+            if not intact:
+                raise _Corrupt
+            self._hit(key, length)
+            return length
+        except _Corrupt:
+            return self._corrupt(key, path, fd)
+        finally:
+            os.close(fd)
 
-    def _read_verified(self, key: bytes, read_payload, buffers: CallerBuffers = UNHELD) -> bytes | memoryview | None:
-        """Open ``key``'s file, check its header, read the payload with ``read_payload(fd, length)`` and verify it
-        (both under one hold of ``buffers``).
-
-        A miss or a corrupt object (counted and removed) gives None.
-        """
+    def _read_verified(self, key: bytes) -> bytes | None:
+        """The payload of ``key``'s file, its header and checksum verified; None for a miss or a corrupt object
+        (counted and removed)."""
+        key = _key_bytes(key)
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -360,10 +422,8 @@ class ShmObjectStore:
             return self._miss(key)
         try:
             length, digest = self._read_header(fd)
-            with buffers.held():
-                payload = read_payload(fd, length)
-                intact = xxhash.xxh3_64_intdigest(payload, key_seed(bytes(key))) == digest
-            if not intact:
+            payload = _read_bytes(fd, length)
+            if xxhash.xxh3_64_intdigest(payload, key_seed(key)) != digest:
                 raise _Corrupt
             self._hit(key, length)
             return payload
@@ -372,16 +432,25 @@ class ShmObjectStore:
         finally:
             os.close(fd)
 
+    def prepare(self, keys: list[bytes]) -> None:
+        """Work out the file names of ``keys`` at once, ahead of the calls that use them (much faster for a batch
+        than one by one); optional. Raises InvalidKeyError for an invalid key."""
+        missing = [key for key in map(_key_bytes, keys) if key not in _PATHS]
+        if missing:
+            for key, name in zip(missing, object_names(missing), strict=True):
+                _remember(key, name)
+
     def exists(self, key: bytes) -> bool:
         """Whether an object is published under ``key`` (its checksum is checked only when it is read)."""
-        return os.path.exists(self._path(key))
+        return os.access(self._path(_key_bytes(key)), os.F_OK)
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove the objects of ``keys``; the number removed. Never raises: missing or invalid keys are skipped."""
         removed = 0
         for key in keys:
-            self._forget(key)  # first, so the file's bytes are free for the free files
             try:
+                key = _key_bytes(key)
+                self._forget(key)  # first, so the file's bytes are free for the free files
                 removed += self._retire(self._path(key))
             except (OSError, ShmStoreError):
                 pass
@@ -457,9 +526,8 @@ class ShmObjectStore:
     # -- internals -------------------------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> str:
-        if type(key) is not bytes:
-            key = bytes(key) if isinstance(key, bytearray) else object_name(key)  # the latter raises
-        return os.path.join(self._root, _relative_path(key))
+        """The file of ``key`` (bytes, already checked by ``_key_bytes``)."""
+        return f"{self._root}/{_relative_path(key)}"
 
     def _object_names(self) -> Iterator[tuple[str, str]]:
         with os.scandir(self.root) as shards:
@@ -646,6 +714,8 @@ class ShmObjectStore:
         self._pooled -= size
 
     def _adopt_existing(self, key: bytes, path: str) -> bool:
+        if not os.access(path, os.F_OK):  # no exception for the usual answer: a miss
+            return False
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
@@ -654,17 +724,20 @@ class ShmObjectStore:
         return True
 
     def _touch(self, key: bytes, size: int) -> None:
-        key = bytes(key)
         with self._lock:
-            previous = self._sizes.pop(key, None)
-            if previous is not None:
-                self._used -= previous
-            self._sizes[key] = size
-            self._used += size
+            self._count_use(key, size)
+
+    def _count_use(self, key: bytes, size: int) -> None:
+        """Count ``key`` at ``size`` file bytes as the most recently used object (the caller holds the lock)."""
+        previous = self._sizes.pop(key, None)
+        if previous is not None:
+            self._used -= previous
+        self._sizes[key] = size
+        self._used += size
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
-            size = self._sizes.pop(bytes(key), None) if isinstance(key, bytes | bytearray) else None
+            size = self._sizes.pop(key, None)
             if size is not None:
                 self._used -= size
 
@@ -672,7 +745,7 @@ class ShmObjectStore:
         with self._lock:
             self._stats["hits"] += 1
             self._stats["bytes_read"] += length
-        self._touch(key, HEADER.size + length)
+            self._count_use(key, HEADER.size + length)
 
     def _miss(self, key: bytes) -> None:
         with self._lock:
@@ -698,6 +771,15 @@ class ShmObjectStore:
         return None
 
 
+def _key_bytes(key: bytes) -> bytes:
+    """``key`` as ``bytes``. Raises InvalidKeyError for a key of another type (its length is checked by its name)."""
+    if type(key) is bytes:
+        return key
+    if isinstance(key, bytearray):
+        return bytes(key)
+    raise InvalidKeyError(f"object key must be bytes, got {type(key).__name__}; encode it first")
+
+
 class _Corrupt(Exception):
     """Internal: the object just read failed a check."""
 
@@ -715,27 +797,64 @@ def _read_bytes(fd: int, length: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _read_into(fd: int, target: memoryview, length: int) -> memoryview:
-    """Read the next ``length`` bytes of ``fd`` into the start of ``target``; a short file is corrupt."""
-    if length > target.nbytes:
-        raise BufferTooSmallError(
-            f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
-            f"pass a buffer of at least {length} bytes"
-        )
-    view = target[:length]
-    filled = 0
-    while filled < length:
-        count = os.readv(fd, [view[filled:]])
+def _declared_length(header: bytearray) -> int:
+    """The payload length a header claims, unchecked."""
+    return HEADER.unpack_from(header)[3]
+
+
+def _read_fully(fd: int, views: list) -> int:
+    """Fill ``views`` in order from ``fd`` with as few ``readv`` calls as the file allows (one, normally); the bytes
+    read, fewer than the views hold only when the file ended first."""
+    left = [memoryview(view).cast("B") for view in views]
+    total = 0
+    while left:
+        count = os.readv(fd, left)
         if count == 0:
-            raise _Corrupt
-        filled += count
-    return view
+            break
+        total += count
+        left = unwritten(left, count)
+    return total
 
 
-@functools.lru_cache(maxsize=1 << 16)
+_PATHS: dict[bytes, str] = {}
+"""``<shard>/<name>`` of recently used keys (base32 is slow in Python, and a key is looked up many times)."""
+_PATHS_MAX = 1 << 16
+_B32_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz234567", dtype=np.uint8)
+_B32_WEIGHTS = np.array([16, 8, 4, 2, 1], dtype=np.uint8)
+
+
 def _relative_path(key: bytes) -> str:
-    """``<shard>/<name>`` of a key (base32 is slow in Python, and a key is looked up many times)."""
-    return f"{shard_of(key)}/{object_name(key)}"
+    path = _PATHS.get(key)
+    if path is None:
+        path = _remember(key, object_name(key))
+    return path
+
+
+def _remember(key: bytes, name: str) -> str:
+    if len(_PATHS) >= _PATHS_MAX:
+        _PATHS.clear()  # atomic, unlike evicting one entry while other threads add theirs
+    path = _PATHS[key] = f"{shard_of(key)}/{name}"
+    return path
+
+
+def object_names(keys: list[bytes]) -> list[str]:
+    """``[object_name(key) for key in keys]``, computed for all keys of one length at once (numpy)."""
+    by_length: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes | bytearray) or not 0 < len(key) <= MAX_KEY_BYTES:
+            object_name(key)  # raises InvalidKeyError, saying what is wrong
+        by_length.setdefault(len(key), []).append(i)
+    names: list[str] = [""] * len(keys)
+    for length, indices in by_length.items():
+        rows = np.frombuffer(b"".join(keys[i] for i in indices), dtype=np.uint8).reshape(len(indices), length)
+        bits = np.unpackbits(rows, axis=1)
+        chars = -(-length * 8 // 5)
+        if chars * 5 != length * 8:
+            bits = np.pad(bits, ((0, 0), (0, chars * 5 - length * 8)))
+        text = _B32_ALPHABET[bits.reshape(len(indices), chars, 5) @ _B32_WEIGHTS].tobytes().decode("ascii")
+        for row, i in enumerate(indices):
+            names[i] = text[row * chars : (row + 1) * chars]
+    return names
 
 
 def _open_temp(temp: str, recycled: bool) -> int:

@@ -5,7 +5,10 @@ status fields and shutdown: see "what a tier provides" in the class); this modul
 
 Tasks and completion
 --------------------
-Store, lookup-and-lock and load tasks each run on their own small thread pool, one job per task. Every submitted task
+Store, lookup-and-lock and load tasks each run on their own small thread pool, one job per task, except those the tier
+runs on the caller's thread (:meth:`TaskL2Adapter._inline`: work shorter than the two thread wake-ups a hand-off costs,
+which cannot stall; LMCache's controllers submit from their poll loops and read results only after the next poll, so a
+task completed before its submit returns is seen like any other). Every submitted task
 completes exactly once (success or failure) and signals its event fd: the job publishes its result in a ``finally``
 whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a watchdog thread
 fails tasks that run longer than the task timeout (marking the adapter unhealthy for ``unhealthy_for_s``). No submit,
@@ -166,7 +169,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     @abstractmethod
     def _find(self, task: Task, keys: list[ObjectKey], names: list[Hashable]) -> Iterable[int]:
-        """Yield the index of each name the tier holds (each one is locked as it is yielded)."""
+        """Yield the index of each name the tier holds (the hits are locked when the task completes)."""
 
     @abstractmethod
     def _get(
@@ -190,6 +193,12 @@ class TaskL2Adapter(L2AdapterInterface):
     def _close_tier(self) -> None:
         """Release the tier, after every task completed."""
 
+    def _inline(self, kind: str, objects: list[Any] | None) -> bool:
+        """Whether to run a task on the caller's thread rather than hand it to a worker (``objects``: the L1
+        buffers of a store or load, None for a lookup). Only for work too short to be worth two thread wake-ups,
+        which cannot stall; by default never."""
+        return False
+
     def _cursor(self, name: Hashable) -> str:
         """The ``list_l2_keys`` cursor of ``name``."""
         return str(name)
@@ -209,8 +218,9 @@ class TaskL2Adapter(L2AdapterInterface):
         return self._efds["load"].fileno()
 
     # -- task plumbing -----------------------------------------------------------------------------------------------
-    def _submit(self, kind: str, size: int, job, *args) -> L2TaskId:
-        """Register a task and schedule ``job(task, *args)``; never raises, every task completes."""
+    def _submit(self, kind: str, size: int, job, *args, inline: bool = False) -> L2TaskId:
+        """Register a task and schedule ``job(task, *args)`` (or run it now, on the caller's thread, when ``inline``);
+        never raises, every task completes."""
         task = Task(tid=next(self._ids), kind=kind, size=size)
         with self._lock:
             self._pending[task.tid] = task
@@ -218,7 +228,10 @@ class TaskL2Adapter(L2AdapterInterface):
         try:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} is closed")
-            self._pools[kind].submit(job, task, *args)
+            if inline:
+                job(task, *args)  # completes the task (its event fd is signalled before the caller waits on it)
+            else:
+                self._pools[kind].submit(job, task, *args)
         except Exception as err:
             logger.warning("%s: could not schedule a %s task: %s", type(self).__name__, kind, err)
             self._count("errors")
@@ -268,17 +281,22 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- store -------------------------------------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        return self._submit("store", len(keys), self._run_store, list(keys), list(objects))
+        objects = list(objects)
+        return self._submit(
+            "store", len(keys), self._run_store, list(keys), objects, inline=self._inline("store", objects)
+        )
 
     def _run_store(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
         ok = len(keys) == len(objects)
         written = 0
         stored_keys: list[ObjectKey] = []
+        stored_names: list[Hashable] = []
         stored_sizes: list[int] = []
         try:
             names = [self._name(key) for key in keys]
             for i, size, new_bytes in self._put(task, keys, names, objects):
                 stored_keys.append(keys[i])
+                stored_names.append(names[i])
                 stored_sizes.append(size)
                 written += new_bytes
         except BaseException:
@@ -287,7 +305,7 @@ class TaskL2Adapter(L2AdapterInterface):
         finally:
             ok = ok and len(stored_keys) == len(keys)
             try:
-                self._register(stored_keys, stored_sizes)
+                self._register(stored_keys, stored_sizes, stored_names)
                 with self._lock:
                     self._counters["stored_objects"] += len(stored_keys)
                     self._counters["store_failures"] += len(keys) - len(stored_keys)
@@ -302,7 +320,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- lookup and lock ---------------------------------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> L2TaskId:
-        return self._submit("lookup", len(keys), self._run_lookup, list(keys))
+        return self._submit("lookup", len(keys), self._run_lookup, list(keys), inline=self._inline("lookup", None))
 
     def _run_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
@@ -310,14 +328,14 @@ class TaskL2Adapter(L2AdapterInterface):
         try:
             names = [self._name(key) for key in keys]
             for i in self._find(task, keys, names):
-                with self._lock:
-                    self._locks[names[i]] = self._locks.get(names[i], 0) + 1
                 locked.append(names[i])
                 bitmap.set(i)
         except BaseException:
             self._crashed(task)
         finally:
             with self._lock:
+                for name in locked:
+                    self._locks[name] = self._locks.get(name, 0) + 1
                 self._counters["lookup_hits"] += len(locked)
                 self._counters["lookup_misses"] += len(keys) - len(locked)
             if not self._finish(task, bitmap):
@@ -345,11 +363,15 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- load --------------------------------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        return self._submit("load", len(keys), self._run_load, list(keys), list(objects))
+        objects = list(objects)
+        return self._submit(
+            "load", len(keys), self._run_load, list(keys), objects, inline=self._inline("load", objects)
+        )
 
     def _run_load(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
         bitmap = Bitmap(len(keys))
         loaded_keys: list[ObjectKey] = []
+        loaded_names: list[Hashable] = []
         loaded_sizes: list[int] = []
         vanished: list[Hashable] = []
         try:
@@ -360,6 +382,7 @@ class TaskL2Adapter(L2AdapterInterface):
                 else:
                     bitmap.set(i)
                     loaded_keys.append(keys[i])
+                    loaded_names.append(names[i])
                     loaded_sizes.append(size)
         except BaseException:
             self._crashed(task)
@@ -370,7 +393,7 @@ class TaskL2Adapter(L2AdapterInterface):
                     self._counters["loaded_objects"] += len(loaded_keys)
                 self._count(self.VANISHED, self._unregister(vanished))
                 if loaded_keys:
-                    self._register(loaded_keys, loaded_sizes)  # objects another server stored
+                    self._register(loaded_keys, loaded_sizes, loaded_names)  # objects another server stored
                     self._notify_keys_accessed(loaded_keys)
             except Exception:
                 logger.exception("%s: accounting a load failed", type(self).__name__)
@@ -426,12 +449,14 @@ class TaskL2Adapter(L2AdapterInterface):
             except Exception:
                 logger.exception("%s: replaying %d known keys to a listener failed", type(self).__name__, len(snapshot))
 
-    def _register(self, keys: list[ObjectKey], sizes: list[int]) -> None:
-        """Know ``keys`` with their payload sizes; the ones not known yet are reported stored."""
+    def _register(self, keys: list[ObjectKey], sizes: list[int], names: list[Hashable] | None = None) -> None:
+        """Know ``keys`` (tier keys ``names``, worked out when not given) with their payload sizes; the ones not
+        known yet are reported stored."""
+        if names is None:
+            names = [self._name(key) for key in keys]
         new_keys, new_sizes = [], []
         with self._lock:
-            for key, size in zip(keys, sizes, strict=True):
-                name = self._name(key)
+            for key, size, name in zip(keys, sizes, names, strict=True):
                 if name not in self._known:
                     self._known[name] = (key, size)
                     new_keys.append(key)

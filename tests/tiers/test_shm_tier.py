@@ -279,7 +279,15 @@ def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapte
 def test_a_big_task_copied_on_several_threads_comes_back_byte_equal_with_failures_isolated(shm_root, monkeypatch):
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
 
-    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 64 << 20, "io_threads": 3, "parallel_min_bytes": 1 << 20})
+    tier = ShmL2Adapter(
+        {
+            "root": shm_root,
+            "capacity_bytes": 64 << 20,
+            "io_threads": 3,
+            "parallel_min_bytes": 1 << 20,
+            "parallel_min_object_bytes": 1 << 18,
+        }
+    )
     try:
         keys = [_key(i) for i in range(10)]
         values = [bytes([i]) * (300_000 + i) for i in range(10)]  # 3 MB a task: several lanes
@@ -308,5 +316,97 @@ def test_a_big_task_copied_on_several_threads_comes_back_byte_equal_with_failure
         assert [loaded.test(i) for i in range(10)] == [i != 4 for i in range(10)]
         assert all(bytes(b.data) == v for i, (b, v) in enumerate(zip(buffers, values, strict=True)) if i != 4)
         assert bytes(buffers[4].data) == bytes(len(values[4])), "a missing object's buffer was written"
+    finally:
+        tier.close()
+
+
+class SizedBuffer(CallerBuffer):
+    """A caller buffer that tells its size, as LMCache's memory objects do (the tier decides where a task runs by the
+    bytes it moves)."""
+
+    def get_size(self) -> int:
+        return len(self.data)
+
+
+def _recording_threads(monkeypatch, tier, names=("put", "exists", "get_into")) -> list[str]:
+    import threading
+
+    threads: list[str] = []
+    for name in names:
+        real = getattr(tier._store, name)
+
+        def recorded(*args, _real=real, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(tier._store, name, recorded)
+    return threads
+
+
+def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_returns(shm_root, monkeypatch):
+    import threading
+
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 8 << 20})
+    try:
+        threads = _recording_threads(monkeypatch, tier)
+        keys, values = [_key(i) for i in range(4)], [bytes([i]) * 50_000 for i in range(4)]
+        store = tier.submit_store_task(keys, [SizedBuffer(v) for v in values])
+        assert _signalled(tier.get_store_event_fd(), 0), "the event fd was not signalled when the submit returned"
+        assert tier.pop_completed_store_tasks()[store].is_successful()
+        lookup = tier.submit_lookup_and_lock_task(keys, {})
+        assert _signalled(tier.get_lookup_and_lock_event_fd(), 0)
+        assert tier.query_lookup_and_lock_result(lookup).popcount() == 4
+        buffers = [SizedBuffer(bytes(50_000)) for _ in values]
+        load = tier.submit_load_task(keys, buffers)
+        assert _signalled(tier.get_load_event_fd(), 0)
+        assert tier.query_load_result(load).popcount() == 4
+        tier.submit_unlock(keys)
+        assert [bytes(b.data) for b in buffers] == values
+        assert set(threads) == {threading.current_thread().name}
+        assert tier.report_status()["locked_keys"] == 0 and tier.report_status()["pending_tasks"] == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    "params, size",
+    [
+        pytest.param({}, 5 << 20, id="a task over inline_max_bytes"),
+        pytest.param({"inline_max_bytes": 0}, 1000, id="inline_max_bytes 0"),
+        pytest.param({"durable": True}, 1000, id="a durable store"),
+    ],
+)
+def test_other_tasks_run_on_the_tiers_workers(shm_root, monkeypatch, params, size):
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 16 << 20, **params})
+    try:
+        threads = _recording_threads(monkeypatch, tier, ("put", "get_into"))
+        store = tier.submit_store_task([_key(1)], [SizedBuffer(b"v" * size)])
+        assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(store)).is_successful()
+        buffer = SizedBuffer(bytes(size))
+        load = tier.submit_load_task([_key(1)], [buffer])
+        assert completed(tier.get_load_event_fd(), lambda: tier.query_load_result(load)).popcount() == 1
+        assert bytes(buffer.data) == b"v" * size
+        assert [thread.split("_")[0] for thread in threads] == ["shm-l2-store", "shm-l2-load"]
+    finally:
+        tier.close()
+
+
+def test_a_big_task_of_small_objects_is_copied_on_one_thread(shm_root, monkeypatch):
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter(
+        {"root": shm_root, "capacity_bytes": 64 << 20, "io_threads": 2, "parallel_min_bytes": 1 << 20,
+         "inline_max_bytes": 0}
+    )  # fmt: skip
+    try:
+        threads = _recording_threads(monkeypatch, tier, ("put",))
+        values = [bytes([i]) * 100_000 for i in range(30)]  # 3 MB in all, 100 KB each: below 1 MiB an object
+        store = tier.submit_store_task([_key(i) for i in range(30)], [SizedBuffer(v) for v in values])
+        assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(store)).is_successful()
+        assert len(set(threads)) == 1 and len(threads) == 30
     finally:
         tier.close()

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lmcache_r3.tiers.holds import BuffersGone, CallerBuffers
 from lmcache_r3.tiers.shm_store import (
     HEADER,
     MAX_KEY_BYTES,
@@ -23,8 +24,10 @@ from lmcache_r3.tiers.shm_store import (
     ObjectTooLargeError,
     ShmObjectStore,
     UntrustedRootError,
+    file_system_type,
     key_of_name,
     object_name,
+    object_names,
     shard_of,
     unwritten,
 )
@@ -217,24 +220,56 @@ def test_a_file_rewritten_for_another_key_never_passes_as_the_old_key(root):
     assert store.get(b"b") == value_of(b"b", 5000)
 
 
-def test_a_read_overtaken_by_a_removal_and_a_rewrite_is_a_miss_counted_as_raced(root, monkeypatch):
+@pytest.mark.parametrize("read", ["get", "get_into"])
+def test_a_read_overtaken_by_a_removal_and_a_rewrite_is_a_miss_counted_as_raced(root, monkeypatch, read):
     import lmcache_r3.tiers.shm_store as shm_store
 
     store = ShmObjectStore(root, capacity_bytes=MiB)
     store.put(b"a", value_of(b"a", 5000))
-    real_read = shm_store._read_bytes
+    # get reads the payload with _read_bytes after the header; get_into reads the whole file with one readv.
+    owner, name = (shm_store, "_read_bytes") if read == "get" else (os, "readv")
+    real_read = getattr(owner, name)
 
-    def removed_while_reading(fd, length):
+    def removed_while_reading(*args):
+        monkeypatch.setattr(owner, name, real_read)
         other = ShmObjectStore(root, capacity_bytes=MiB)
         other.delete([b"a"])  # a's file goes to the free files ...
         other.put(b"b", value_of(b"b", 5000))  # ... and is rewritten for b under the reader's feet
-        return real_read(fd, length)
+        return real_read(*args)
 
-    monkeypatch.setattr(shm_store, "_read_bytes", removed_while_reading)
-    assert store.get(b"a") is None
+    monkeypatch.setattr(owner, name, removed_while_reading)
+    assert (store.get(b"a") if read == "get" else store.get_into(b"a", bytearray(5000))) is None
     assert store.stats()["raced"] == 1 and store.stats()["corrupt"] == 0
-    monkeypatch.setattr(shm_store, "_read_bytes", real_read)
     assert store.get(b"b") == value_of(b"b", 5000)
+
+
+class _FailedTask(CallerBuffers):
+    """The buffers of a task that was already failed: every hold is refused."""
+
+    def hold(self) -> bool:
+        return False
+
+
+def test_a_refused_hold_reads_and_writes_nothing(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    with pytest.raises(BuffersGone):
+        store.put(b"new", value_of(b"new"), _FailedTask())
+    assert store.get(b"new") is None and store.usage()[0] == 0
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+    store.put(b"k", value_of(b"k"))
+    buffer = bytearray(b"\xee" * 4096)
+    with pytest.raises(BuffersGone):
+        store.get_into(b"k", buffer, _FailedTask())
+    assert buffer == bytearray(b"\xee" * 4096)
+    assert store.get(b"k") == value_of(b"k")
+
+
+def test_get_into_a_longer_buffer_fills_its_start_and_returns_the_length(root):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"k", value_of(b"k", 1000))
+    buffer = bytearray(b"\xee" * 1500)
+    assert store.get_into(b"k", buffer) == 1000
+    assert bytes(buffer[:1000]) == value_of(b"k", 1000) and bytes(buffer[1000:]) == b"\xee" * 500
 
 
 def test_free_files_count_against_the_capacity_and_are_dropped_before_any_eviction(root):
@@ -514,6 +549,27 @@ def test_distinct_keys_get_distinct_safe_names_that_decode_back(keys):
         assert "/" not in name and "." not in name and "\0" not in name
         assert 0 < len(name) <= 248 < 255
         assert key_of_name(name) == key
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=MAX_KEY_BYTES), max_size=40))
+def test_names_of_a_batch_equal_the_names_one_by_one(keys):
+    keys += [key[:1] for key in keys]  # several keys of one length, and of many lengths, in one batch
+    assert object_names(keys) == [object_name(key) for key in keys]
+
+
+@pytest.mark.parametrize("key", ["text", b"", b"x" * (MAX_KEY_BYTES + 1)])
+def test_preparing_an_invalid_key_is_refused_like_using_it(root, key):
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    with pytest.raises(InvalidKeyError):
+        store.prepare([b"fine", key])
+    with pytest.raises(InvalidKeyError):
+        store.put(key, b"x")
+
+
+def test_the_file_system_of_a_root_is_told(root, tmp_path):
+    assert ShmObjectStore(root, capacity_bytes=MiB).on_tmpfs  # /dev/shm
+    assert file_system_type(tmp_path / "missing") is None
 
 
 @pytest.mark.parametrize("name", [".tmp-1-2-3", "..", "MFRA", "mfrb", "mfr", "x/y", "", "a" * 300])
