@@ -88,13 +88,9 @@ MODEL = "bench-model"
 KV_LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 PROFILE = R3Profile(num_layers=48, top_k=8, num_experts=128)
 TASK_TIMEOUT_S = 120.0
-SHM_IO_THREADS, SHM_PARALLEL_MIN_BYTES, SHM_PARALLEL_MIN_OBJECT_BYTES, SHM_INLINE_MAX_BYTES = (
-    2,
-    8 << 20,
-    1 << 20,
-    4 << 20,
-)
-"""The shm tier's ``io_threads`` and ``parallel_min_bytes``, set here so the report can say which batches split."""
+SHM_IO_THREADS, SHM_PARALLEL_MIN_BYTES, SHM_PARALLEL_MIN_OBJECT_BYTES = 2, 8 << 20, 1 << 20
+SHM_INLINE_MAX_BYTES, SHM_INLINE_MAX_OBJECTS = 4 << 20, 32
+"""The shm tier's thread settings, set here so the report can say which batches split and which run inline."""
 R3_REPEATS = 5
 """R3 batches run this many times the repeats: a call of a few milliseconds over loopback varies 2x run to run."""
 PATHS = (
@@ -513,11 +509,11 @@ class InnerCalls:
 
 INNER = InnerCalls()
 INNER_PATHS = ("shm", "mooncake")
+"""The tiers whose underlying calls are timed, in rounds of their own after the timed ones."""
 MOONCAKE_PATHS = frozenset({"mooncake", "mooncake_staged", "raw_mooncake", "mooncake_floor"})
 """The paths over Mooncake: they take turns among themselves, and the others among themselves, in every repeat."""
 GROUP_PAUSE_S = 0.2
 """The pause before each group of paths."""
-"""The tiers whose underlying calls are timed, in rounds of their own after the timed ones."""
 MOONCAKE_NATIVE = {"_write": "put", "_write_parts": "put", "_exists": "lookup", "_read": "load", "_query": "load",
                    "_read_parts": "load"}  # fmt: skip
 """The Mooncake tier's native calls (module functions of ``mooncake_store``), by the operation that makes them."""
@@ -567,6 +563,7 @@ def measure(
             "parallel_min_bytes": SHM_PARALLEL_MIN_BYTES,
             "parallel_min_object_bytes": SHM_PARALLEL_MIN_OBJECT_BYTES,
             "inline_max_bytes": SHM_INLINE_MAX_BYTES,
+            "inline_max_objects": SHM_INLINE_MAX_OBJECTS,
         }
         shm_tier = ShmL2Adapter(dict(shm, root=shm_root))
         for name, operation in (("put", "put"), ("exists", "lookup"), ("get_into", "load")):
@@ -632,6 +629,11 @@ def measure(
             path.close()
         shutil.rmtree(shm_root, ignore_errors=True)
         shutil.rmtree(fs_root, ignore_errors=True)
+
+
+def shm_inline(kind: Kind) -> bool:
+    """Whether the shm tier runs a batch of ``kind`` on the thread that submits it."""
+    return kind.total <= SHM_INLINE_MAX_BYTES and kind.count <= SHM_INLINE_MAX_OBJECTS
 
 
 def shm_parallel(kind: Kind) -> bool:
@@ -740,9 +742,10 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
         "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "
         "where each one follows an eviction. `recycle_bytes: 0` shows a put into new tmpfs pages (a tier still "
-        "filling up). The shm tier runs a task of at most its `inline_max_bytes` (4 MiB on tmpfs), and every "
-        "lookup, on the thread that submits it, and bigger ones on its workers: "
-        + ", ".join(f"{k.name} {'inline' if k.total <= SHM_INLINE_MAX_BYTES else 'on workers'}" for k in kinds)
+        "filling up). The shm tier runs a task of at most its `inline_max_bytes` (4 MiB on tmpfs) and "
+        f"`inline_max_objects` ({SHM_INLINE_MAX_OBJECTS}) on the thread that submits it, lookups included, and "
+        "bigger ones on its workers: "
+        + ", ".join(f"{k.name} {'inline' if shm_inline(k) else 'on workers'}" for k in kinds)
         + f". It copies a batch of at least its `parallel_min_bytes` ({SHM_PARALLEL_MIN_BYTES >> 20} MiB) of "
         f"objects of at least `parallel_min_object_bytes` ({SHM_PARALLEL_MIN_OBJECT_BYTES >> 20} MiB) each on its "
         f"{SHM_IO_THREADS} `io_threads`: "
@@ -803,7 +806,8 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
             f"{files.get_gbps / copy_ms.get_gbps:.2f}x memcpy, "
             + ("within" if within else "short of")
             + " the goal before any checksum, accounting, task or thread. The shm tier takes "
-            f"{ms(shm.put_ms)} / {ms(shm.get_ms)}; its lookup alone (one `stat` per object, on the calling thread) "
+            f"{ms(shm.put_ms)} / {ms(shm.get_ms)}; its lookup alone (one existence check per object, on the calling "
+            "thread) "
             f"takes {ms(shm.lookup_ms)}, and a get is a lookup task plus a load task. For objects this small the "
             "tier's cost is per object, not per byte: the file system calls and the checksum of each.",
         ]

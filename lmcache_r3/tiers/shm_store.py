@@ -368,7 +368,8 @@ class ShmObjectStore:
 
         Raises:
             BuffersGone: the hold was refused; ``buffer`` was not touched.
-            BufferTooSmallError: ``buffer`` is shorter than the payload (it was overwritten; the object stays).
+            BufferTooSmallError: ``buffer`` is shorter than the payload of an intact-sized object (``buffer`` was
+                overwritten with its start; the object stays).
         """
         target = memoryview(buffer).cast("B")
         if target.readonly:
@@ -392,7 +393,7 @@ class ShmObjectStore:
                 if decoded is None:
                     raise _Corrupt
                 length, digest = decoded
-                if length > target.nbytes and count == HEADER.size + target.nbytes + 1:
+                if length > target.nbytes and os.fstat(fd).st_size == HEADER.size + length:
                     raise BufferTooSmallError(
                         f"object of {length} bytes does not fit the {target.nbytes}-byte buffer given to get_into; "
                         f"pass a buffer of at least {length} bytes"

@@ -6,15 +6,16 @@ status fields and shutdown: see "what a tier provides" in the class); this modul
 Tasks and completion
 --------------------
 Store, lookup-and-lock and load tasks each run on their own small thread pool, one job per task, except those the tier
-runs on the caller's thread (:meth:`TaskL2Adapter._inline`: work shorter than the two thread wake-ups a hand-off costs,
-which cannot stall; LMCache's controllers submit from their poll loops and read results only after the next poll, so a
-task completed before its submit returns is seen like any other). Every submitted task
-completes exactly once (success or failure) and signals its event fd: the job publishes its result in a ``finally``
-whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a watchdog thread
-fails tasks that run longer than the task timeout (marking the adapter unhealthy for ``unhealthy_for_s``). No submit,
-no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*, and whatever the job finds
-afterwards is dropped (the keys a late lookup locked are released again). ``close`` fails the tasks still pending
-after a grace period.
+runs on the caller's thread (:meth:`TaskL2Adapter._inline`: short work that cannot stall, for which the two thread
+wake-ups of a hand-off are a large part of the time; LMCache's controllers submit from their poll loops, record the
+task before they next drain results, and act on every signalled event fd, so a task completed before its submit
+returns is seen like any other. The watchdog cannot cut such a task short: the caller waits for it). Every submitted
+task completes exactly once (success or failure) and signals its event fd: the job publishes its result in a
+``finally`` whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a
+watchdog thread fails tasks that run longer than the task timeout (marking the adapter unhealthy for
+``unhealthy_for_s``). No submit, no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*,
+and whatever the job finds afterwards is dropped (the keys a late lookup locked are released again). ``close`` fails
+the tasks still pending after a grace period.
 
 A tier touches the caller's buffers (LMCache's L1 memory) only under a hold from :meth:`TaskL2Adapter._buffers`
 (see :mod:`lmcache_r3.tiers.holds`): a hold is refused once the task was abandoned, and the watchdog does not fail a
@@ -169,7 +170,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     @abstractmethod
     def _find(self, task: Task, keys: list[ObjectKey], names: list[Hashable]) -> Iterable[int]:
-        """Yield the index of each name the tier holds (the hits are locked when the task completes)."""
+        """Yield the index of each name the tier holds (each one is locked as it is yielded)."""
 
     @abstractmethod
     def _get(
@@ -193,10 +194,10 @@ class TaskL2Adapter(L2AdapterInterface):
     def _close_tier(self) -> None:
         """Release the tier, after every task completed."""
 
-    def _inline(self, kind: str, objects: list[Any] | None) -> bool:
-        """Whether to run a task on the caller's thread rather than hand it to a worker (``objects``: the L1
-        buffers of a store or load, None for a lookup). Only for work too short to be worth two thread wake-ups,
-        which cannot stall; by default never."""
+    def _inline(self, kind: str, count: int, objects: list[Any] | None) -> bool:
+        """Whether to run a task of ``count`` keys on the caller's thread rather than hand it to a worker
+        (``objects``: the L1 buffers of a store or load, None for a lookup). Only for short work that cannot stall
+        (the caller waits for it, past the watchdog); by default never."""
         return False
 
     def _cursor(self, name: Hashable) -> str:
@@ -283,7 +284,7 @@ class TaskL2Adapter(L2AdapterInterface):
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         objects = list(objects)
         return self._submit(
-            "store", len(keys), self._run_store, list(keys), objects, inline=self._inline("store", objects)
+            "store", len(keys), self._run_store, list(keys), objects, inline=self._inline("store", len(keys), objects)
         )
 
     def _run_store(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
@@ -320,7 +321,9 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- lookup and lock ---------------------------------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> L2TaskId:
-        return self._submit("lookup", len(keys), self._run_lookup, list(keys), inline=self._inline("lookup", None))
+        return self._submit(
+            "lookup", len(keys), self._run_lookup, list(keys), inline=self._inline("lookup", len(keys), None)
+        )
 
     def _run_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
@@ -328,14 +331,14 @@ class TaskL2Adapter(L2AdapterInterface):
         try:
             names = [self._name(key) for key in keys]
             for i in self._find(task, keys, names):
+                with self._lock:  # at once: an eviction between this hit and the next must skip it
+                    self._locks[names[i]] = self._locks.get(names[i], 0) + 1
                 locked.append(names[i])
                 bitmap.set(i)
         except BaseException:
             self._crashed(task)
         finally:
             with self._lock:
-                for name in locked:
-                    self._locks[name] = self._locks.get(name, 0) + 1
                 self._counters["lookup_hits"] += len(locked)
                 self._counters["lookup_misses"] += len(keys) - len(locked)
             if not self._finish(task, bitmap):
@@ -365,7 +368,7 @@ class TaskL2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         objects = list(objects)
         return self._submit(
-            "load", len(keys), self._run_load, list(keys), objects, inline=self._inline("load", objects)
+            "load", len(keys), self._run_load, list(keys), objects, inline=self._inline("load", len(keys), objects)
         )
 
     def _run_load(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:

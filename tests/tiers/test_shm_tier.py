@@ -371,26 +371,87 @@ def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_retur
 
 
 @pytest.mark.parametrize(
-    "params, size",
+    "params, count, size",
     [
-        pytest.param({}, 5 << 20, id="a task over inline_max_bytes"),
-        pytest.param({"inline_max_bytes": 0}, 1000, id="inline_max_bytes 0"),
-        pytest.param({"durable": True}, 1000, id="a durable store"),
+        pytest.param({}, 1, 5 << 20, id="a task over inline_max_bytes"),
+        pytest.param({}, 33, 1000, id="a task over inline_max_objects"),
+        pytest.param({"inline_max_bytes": 0}, 1, 1000, id="inline_max_bytes 0"),
+        pytest.param({"durable": True}, 1, 1000, id="a durable store"),
     ],
 )
-def test_other_tasks_run_on_the_tiers_workers(shm_root, monkeypatch, params, size):
+def test_other_tasks_run_on_the_tiers_workers(shm_root, monkeypatch, params, count, size):
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
 
     tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 16 << 20, **params})
     try:
-        threads = _recording_threads(monkeypatch, tier, ("put", "get_into"))
-        store = tier.submit_store_task([_key(1)], [SizedBuffer(b"v" * size)])
+        threads = _recording_threads(monkeypatch, tier, ("put", "exists", "get_into"))
+        keys = [_key(i) for i in range(count)]
+        store = tier.submit_store_task(keys, [SizedBuffer(bytes([i]) * size) for i in range(count)])
         assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(store)).is_successful()
-        buffer = SizedBuffer(bytes(size))
-        load = tier.submit_load_task([_key(1)], [buffer])
-        assert completed(tier.get_load_event_fd(), lambda: tier.query_load_result(load)).popcount() == 1
-        assert bytes(buffer.data) == b"v" * size
-        assert [thread.split("_")[0] for thread in threads] == ["shm-l2-store", "shm-l2-load"]
+        lookup = tier.submit_lookup_and_lock_task(keys, {})
+        found = completed(tier.get_lookup_and_lock_event_fd(), lambda: tier.query_lookup_and_lock_result(lookup))
+        assert found.popcount() == count
+        buffers = [SizedBuffer(bytes(size)) for _ in range(count)]
+        load = tier.submit_load_task(keys, buffers)
+        assert completed(tier.get_load_event_fd(), lambda: tier.query_load_result(load)).popcount() == count
+        tier.submit_unlock(keys)
+        assert [bytes(b.data) for b in buffers] == [bytes([i]) * size for i in range(count)]
+        lookups = "shm-l2-lookup" if count > 32 or params else "MainThread"  # a one-key lookup of an inline tier
+        assert {thread.split("_")[0] for thread in threads} == {"shm-l2-store", lookups, "shm-l2-load"}
+    finally:
+        tier.close()
+
+
+def test_an_inline_task_that_fails_or_stalls_still_completes_once_without_raising(shm_root, monkeypatch):
+    import threading
+    import time
+
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 8 << 20, "task_timeout_seconds": 0.2})
+    try:
+        monkeypatch.setattr(tier._store, "put", lambda *args: (_ for _ in ()).throw(OSError("injected")))
+        store = tier.submit_store_task([_key(1)], [SizedBuffer(b"x" * 1000)])
+        assert _signalled(tier.get_store_event_fd(), 0)
+        assert not tier.pop_completed_store_tasks()[store].is_successful()
+
+        release = threading.Event()
+        monkeypatch.setattr(tier._store, "get_into", lambda key, buf, buffers: release.wait(1.0) and None)
+        started = time.monotonic()
+        load = tier.submit_load_task([_key(1)], [SizedBuffer(bytes(1000))])  # inline: the caller waits it out
+        assert time.monotonic() - started >= 0.9
+        assert tier.query_load_result(load).popcount() == 0
+        status = tier.report_status()
+        assert status["counters"]["timeouts"] == 1 and status["pending_tasks"] == 0 and not status["is_healthy"]
+    finally:
+        tier.close()
+
+
+def test_an_eviction_during_a_lookup_skips_the_keys_it_already_found(shm_root, monkeypatch):
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 8 << 20})
+    try:
+        keys = [_key(1), _key(2)]
+        store = tier.submit_store_task(keys, [SizedBuffer(b"a" * 1000), SizedBuffer(b"b" * 1000)])
+        assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(store)).is_successful()
+        real_exists = tier._store.exists
+
+        def evict_the_first_before_the_second(name):
+            if name == tier._name(keys[1]):
+                tier.delete([keys[0]])  # LMCache's eviction thread, between the two existence checks
+            return real_exists(name)
+
+        monkeypatch.setattr(tier._store, "exists", evict_the_first_before_the_second)
+        lookup = tier.submit_lookup_and_lock_task(keys, {})
+        found = completed(tier.get_lookup_and_lock_event_fd(), lambda: tier.query_lookup_and_lock_result(lookup))
+        assert found.popcount() == 2
+        assert tier.report_status()["counters"]["delete_skipped_locked"] == 1
+        buffers = [SizedBuffer(bytes(1000)), SizedBuffer(bytes(1000))]
+        load = tier.submit_load_task(keys, buffers)
+        assert completed(tier.get_load_event_fd(), lambda: tier.query_load_result(load)).popcount() == 2
+        tier.submit_unlock(keys)
+        assert [bytes(b.data) for b in buffers] == [b"a" * 1000, b"b" * 1000]
     finally:
         tier.close()
 
