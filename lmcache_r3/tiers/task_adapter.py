@@ -9,10 +9,10 @@ Store, lookup-and-lock and load tasks each run on their own small thread pool, o
 runs on the caller's thread (:meth:`TaskL2Adapter._inline`: short work that cannot stall, for which the two thread
 wake-ups of a hand-off are a large part of the time; LMCache's controllers submit from their poll loops, record the
 task before they next drain results, and act on every signalled event fd, so a task completed before its submit
-returns is seen like any other. The watchdog cannot cut such a task short: the caller waits for it). Every submitted
-task completes exactly once (success or failure) and signals its event fd: the job publishes its result in a
-``finally`` whatever the tier raised, a submit that cannot schedule completes the task at once as failed, and a
-watchdog thread fails tasks that run longer than the task timeout (marking the adapter unhealthy for
+returns is seen like any other. The watchdog fails such a task on time, but the caller's thread waits for it to
+end). Every submitted task completes exactly once (success or failure) and signals its event fd: the job publishes
+its result in a ``finally`` whatever the tier raised, a submit that cannot schedule completes the task at once as
+failed, and a watchdog thread fails tasks that run longer than the task timeout (marking the adapter unhealthy for
 ``unhealthy_for_s``). No submit, no ``delete`` and no ``unlock`` raises. A task the watchdog failed is *abandoned*,
 and whatever the job finds afterwards is dropped (the keys a late lookup locked are released again). ``close`` fails
 the tasks still pending after a grace period.
@@ -197,7 +197,7 @@ class TaskL2Adapter(L2AdapterInterface):
     def _inline(self, kind: str, count: int, objects: list[Any] | None) -> bool:
         """Whether to run a task of ``count`` keys on the caller's thread rather than hand it to a worker
         (``objects``: the L1 buffers of a store or load, None for a lookup). Only for short work that cannot stall
-        (the caller waits for it, past the watchdog); by default never."""
+        (the caller's thread waits for it to end, even after the watchdog failed it); by default never."""
         return False
 
     def _cursor(self, name: Hashable) -> str:
@@ -331,7 +331,7 @@ class TaskL2Adapter(L2AdapterInterface):
         try:
             names = [self._name(key) for key in keys]
             for i in self._find(task, keys, names):
-                with self._lock:  # at once: an eviction between this hit and the next must skip it
+                with self._lock:  # at once: a delete that checks the locks after this skips the key
                     self._locks[names[i]] = self._locks.get(names[i], 0) + 1
                 locked.append(names[i])
                 bitmap.set(i)

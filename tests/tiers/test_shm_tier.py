@@ -343,7 +343,8 @@ def _recording_threads(monkeypatch, tier, names=("put", "exists", "get_into")) -
     return threads
 
 
-def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_returns(shm_root, monkeypatch):
+@pytest.mark.parametrize("count", [4, 32], ids=["4 objects", "inline_max_objects"])
+def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_returns(shm_root, monkeypatch, count):
     import threading
 
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
@@ -351,17 +352,17 @@ def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_retur
     tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 8 << 20})
     try:
         threads = _recording_threads(monkeypatch, tier)
-        keys, values = [_key(i) for i in range(4)], [bytes([i]) * 50_000 for i in range(4)]
+        keys, values = [_key(i) for i in range(count)], [bytes([i]) * 50_000 for i in range(count)]
         store = tier.submit_store_task(keys, [SizedBuffer(v) for v in values])
         assert _signalled(tier.get_store_event_fd(), 0), "the event fd was not signalled when the submit returned"
         assert tier.pop_completed_store_tasks()[store].is_successful()
         lookup = tier.submit_lookup_and_lock_task(keys, {})
         assert _signalled(tier.get_lookup_and_lock_event_fd(), 0)
-        assert tier.query_lookup_and_lock_result(lookup).popcount() == 4
+        assert tier.query_lookup_and_lock_result(lookup).popcount() == count
         buffers = [SizedBuffer(bytes(50_000)) for _ in values]
         load = tier.submit_load_task(keys, buffers)
         assert _signalled(tier.get_load_event_fd(), 0)
-        assert tier.query_load_result(load).popcount() == 4
+        assert tier.query_load_result(load).popcount() == count
         tier.submit_unlock(keys)
         assert [bytes(b.data) for b in buffers] == values
         assert set(threads) == {threading.current_thread().name}
@@ -402,7 +403,7 @@ def test_other_tasks_run_on_the_tiers_workers(shm_root, monkeypatch, params, cou
         tier.close()
 
 
-def test_an_inline_task_that_fails_or_stalls_still_completes_once_without_raising(shm_root, monkeypatch):
+def test_an_inline_task_that_fails_or_stalls_completes_as_failed_without_raising(shm_root, monkeypatch):
     import threading
     import time
 
@@ -416,7 +417,7 @@ def test_an_inline_task_that_fails_or_stalls_still_completes_once_without_raisin
         assert not tier.pop_completed_store_tasks()[store].is_successful()
 
         release = threading.Event()
-        monkeypatch.setattr(tier._store, "get_into", lambda key, buf, buffers: release.wait(1.0) and None)
+        monkeypatch.setattr(tier._store, "get_into", lambda key, buf, buffers: (release.wait(1.0), None)[1])
         started = time.monotonic()
         load = tier.submit_load_task([_key(1)], [SizedBuffer(bytes(1000))])  # inline: the caller waits it out
         assert time.monotonic() - started >= 0.9
