@@ -408,6 +408,9 @@ class ShmL2Adapter(TaskL2Adapter):
             "raced": store_stats["raced"],
             "recycled": store_stats["recycled"],
             "pooled_bytes": self._store.pooled_bytes(),
+            "on_tmpfs": self._store.on_tmpfs,
+            "inline_max_bytes": self._inline_max_bytes,
+            "inline_max_objects": self._inline_max_objects,
         }
 
     def _close_tier(self) -> None:

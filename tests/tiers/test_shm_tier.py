@@ -366,7 +366,9 @@ def test_small_tasks_on_tmpfs_complete_on_the_callers_thread_before_submit_retur
         tier.submit_unlock(keys)
         assert [bytes(b.data) for b in buffers] == values
         assert set(threads) == {threading.current_thread().name}
-        assert tier.report_status()["locked_keys"] == 0 and tier.report_status()["pending_tasks"] == 0
+        status = tier.report_status()
+        assert status["locked_keys"] == 0 and status["pending_tasks"] == 0
+        assert status["on_tmpfs"] and (status["inline_max_bytes"], status["inline_max_objects"]) == (4 << 20, 32)
     finally:
         tier.close()
 
@@ -399,6 +401,8 @@ def test_other_tasks_run_on_the_tiers_workers(shm_root, monkeypatch, params, cou
         assert [bytes(b.data) for b in buffers] == [bytes([i]) * size for i in range(count)]
         lookups = "shm-l2-lookup" if count > 32 or params else "MainThread"  # a one-key lookup of an inline tier
         assert {thread.split("_")[0] for thread in threads} == {"shm-l2-store", lookups, "shm-l2-load"}
+        if params:  # what /status says of it
+            assert tier.report_status()["inline_max_bytes"] == 0
     finally:
         tier.close()
 
