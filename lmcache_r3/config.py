@@ -12,6 +12,7 @@ A complete example lives in ``examples/lmcache_r3.yaml``; docs/config.md documen
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -31,6 +32,11 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 """A bound in seconds: more than 0, at most a day (an infinite or huge bound is a hang)."""
 MAX_R3_STORE_BATCH_STEPS = 1024
+
+
+def is_positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number of seconds above 0 (an int or a float; a bool is neither)."""
+    return type(value) in (int, float) and 0 < value < math.inf
 
 
 class ConfigError(ValueError):

@@ -202,20 +202,23 @@ class SlotMirror:
         """Copy every slot's row and written flag of block ``src`` to block ``dst``, per ``(src, dst)`` in order (the
         rows of a block vLLM copied on write, as its KV was)."""
         self._apply_queued()
-        pairs = np.asarray(copies, dtype=np.int64).reshape(-1, 2)
-        if pairs.size and (pairs.min() < 0 or pairs.max() >= self.num_blocks):
-            raise SlotMirrorError(f"block ids must be in [0, {self.num_blocks}), got {pairs.tolist()}")
+        pairs = self._block_ids(copies).reshape(-1, 2)
         rows = self._rows.reshape(self.num_blocks, self.block_size, *self.profile.row_shape)
         written = self._written.reshape(self.num_blocks, self.block_size)
         for src, dst in pairs:
             rows[dst] = rows[src]
             written[dst] = written[src]
 
-    def forget_blocks(self, block_ids: np.ndarray | Sequence[int]) -> None:
-        """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
-        self._apply_queued()
+    def _block_ids(self, block_ids: object) -> np.ndarray:
+        """``block_ids`` as an int64 array; SlotMirrorError when one is outside the mirror."""
         blocks = np.asarray(block_ids, dtype=np.int64)
         if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
             raise SlotMirrorError(f"block ids must be in [0, {self.num_blocks}), got {blocks.tolist()}")
+        return blocks
+
+    def forget_blocks(self, block_ids: np.ndarray | Sequence[int]) -> None:
+        """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
+        self._apply_queued()
+        blocks = self._block_ids(block_ids)
         slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
         self._written[slots] = False

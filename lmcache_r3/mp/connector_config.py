@@ -4,11 +4,15 @@ routed-experts switch and profile, and the KV group whose slots key the R3 slot 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from lmcache_r3.artifacts import R3Profile
-from lmcache_r3.config import MAX_R3_STORE_BATCH_STEPS, load_connector_config, stock_connector_extra_config
+from lmcache_r3.config import (
+    MAX_R3_STORE_BATCH_STEPS,
+    is_positive_seconds,
+    load_connector_config,
+    stock_connector_extra_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
         switch = merged[ROUTED_EXPERTS_KEY]
         raise ValueError(f"{ROUTED_EXPERTS_KEY} must be true or false (a JSON boolean), got {switch!r}")
     timeout_s = merged[R3_TIMEOUT_KEY]
-    if type(timeout_s) not in (int, float) or not 0 < timeout_s < math.inf:
+    if not is_positive_seconds(timeout_s):
         raise ValueError(
             f"{R3_TIMEOUT_KEY} must be a number of seconds > 0 (the bound on each R3 call to the LMCache server), "
             f"got {timeout_s!r}"

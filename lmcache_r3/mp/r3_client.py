@@ -45,9 +45,6 @@ class R3Call(Generic[T]):
         self._deadline = deadline
         self._decoded: T | None = None
 
-    def done(self) -> bool:
-        return self._future.query()
-
     def pending(self) -> bool:
         """Not answered yet, and its deadline not passed (then :meth:`result` would wait)."""
         return not self._future.query() and time.monotonic() < self._deadline

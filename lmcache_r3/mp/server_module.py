@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from lmcache_r3.artifacts import (
     decode_run,
     encoded_nbytes,
 )
+from lmcache_r3.config import is_positive_seconds
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import protocol
 
@@ -107,7 +107,7 @@ class R3ServerModule:
         self._ctx = server_context
         self.namespace = str(config.get("namespace", "##r3"))
         self.prefetch_timeout_s = config.get("tier_timeout_s", 4.0)
-        if type(self.prefetch_timeout_s) not in (int, float) or not 0 < self.prefetch_timeout_s < math.inf:
+        if not is_positive_seconds(self.prefetch_timeout_s):
             raise ValueError(
                 "lmcache_r3 server module: tier_timeout_s must be a number of seconds > 0 (below the connector's "
                 f"r3_timeout_s), got {self.prefetch_timeout_s!r}"

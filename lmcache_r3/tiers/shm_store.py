@@ -357,7 +357,7 @@ class ShmObjectStore:
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
-        return self._read_verified(key)
+        return self._read_object(key, _read_payload)
 
     def get_into(self, key: bytes, buffer: bytearray | memoryview, buffers: CallerBuffers = UNHELD) -> int | None:
         """Read the payload of ``key`` into the start of ``buffer`` (no intermediate copy); its length, or None.
@@ -374,13 +374,8 @@ class ShmObjectStore:
         target = memoryview(buffer).cast("B")
         if target.readonly:
             raise TypeError("get_into needs a writable buffer (bytearray, writable memoryview, numpy array)")
-        key = _key_bytes(key)
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return self._miss(key)
-        try:
+
+        def read(fd: int, key: bytes) -> tuple[int, int]:
             header = bytearray(HEADER.size)
             if not buffers.hold():
                 raise BuffersGone("the task was failed; its buffers are no longer the tier's to write")
@@ -405,16 +400,14 @@ class ShmObjectStore:
                 buffers.release()
             if not intact:
                 raise _Corrupt
-            self._hit(key, length)
-            return length
-        except _Corrupt:
-            return self._corrupt(key, path, fd)
-        finally:
-            os.close(fd)
+            return length, length
 
-    def _read_verified(self, key: bytes) -> bytes | None:
-        """The payload of ``key``'s file, its header and checksum verified; None for a miss or a corrupt object
-        (counted and removed)."""
+        return self._read_object(key, read)
+
+    def _read_object(self, key: bytes, read):
+        """Open ``key``'s file and return what ``read(fd, key)`` gives as ``(payload_length, result)``, having
+        verified the object (raising ``_Corrupt`` otherwise); None for a miss or a corrupt object (counted and
+        removed)."""
         key = _key_bytes(key)
         path = self._path(key)
         try:
@@ -422,12 +415,9 @@ class ShmObjectStore:
         except FileNotFoundError:
             return self._miss(key)
         try:
-            length, digest = self._read_header(fd)
-            payload = _read_bytes(fd, length)
-            if xxhash.xxh3_64_intdigest(payload, key_seed(key)) != digest:
-                raise _Corrupt
+            length, result = read(fd, key)
             self._hit(key, length)
-            return payload
+            return result
         except _Corrupt:
             return self._corrupt(key, path, fd)
         finally:
@@ -552,13 +542,6 @@ class ShmObjectStore:
                             os.unlink(entry.path)
                     except FileNotFoundError:
                         pass
-
-    def _read_header(self, fd: int) -> tuple[int, int]:
-        header = os.read(fd, HEADER.size)
-        decoded = decode_header(header)
-        if decoded is None or os.fstat(fd).st_size != HEADER.size + decoded[0]:
-            raise _Corrupt
-        return decoded
 
     def _make_room(self, incoming: int, keep: bytes, claim_as: str) -> bool:
         """Make room for a file of ``incoming`` bytes and reserve them in ``_used`` until the put ends (concurrent puts
@@ -801,6 +784,18 @@ def _read_bytes(fd: int, length: int) -> bytes:
 def _declared_length(header: bytearray) -> int:
     """The payload length a header claims, unchecked."""
     return HEADER.unpack_from(header)[3]
+
+
+def _read_payload(fd: int, key: bytes) -> tuple[int, bytes]:
+    """``(length, payload)`` of the object open at ``fd``, its header and checksum verified (``_Corrupt`` if not)."""
+    decoded = decode_header(os.read(fd, HEADER.size))
+    if decoded is None or os.fstat(fd).st_size != HEADER.size + decoded[0]:
+        raise _Corrupt
+    length, digest = decoded
+    payload = _read_bytes(fd, length)
+    if xxhash.xxh3_64_intdigest(payload, key_seed(key)) != digest:
+        raise _Corrupt
+    return length, payload
 
 
 def _read_fully(fd: int, views: list) -> int:

@@ -209,10 +209,10 @@ def test_parallel_sampling_children_carry_every_siblings_rows_and_the_last_to_en
     assert "group" in book._siblings, "a group let go while children may still be on their way"
     for request_id in ids[1:]:
         book.on_new_request(request_id)
+    book.sibling_grace_s = 0.0  # from here only the children still live keep the group
     run(1)
     run(2)
     assert "group" in book._siblings, "a group let go while a child is still to come"
-    book.sibling_grace_s = 0.0
     book.request_finished(Request(ids[3], [1, 2, 3], status=RequestStatus.FINISHED_ABORTED), None)
     assert book._siblings == {}, "a parallel-sampling group outlived its children"
     siblings = params[ids[2]][SIBLINGS_KEY]
@@ -264,15 +264,13 @@ def test_a_store_of_a_request_preempted_before_its_rows_came_waits_for_the_rows_
     step1 = book.on_schedule(
         SchedulerOutput({request_id: 59}, [], CachedRequests([request_id], [None], set(), [74])), 0
     )
-    request.num_computed_tokens, request.num_in_flight_tokens = 133, 59
-    request.num_computed_tokens = 0  # preempted with step 1 in flight
+    request.num_computed_tokens, request.num_in_flight_tokens = 0, 59  # preempted with step 1 in flight
     table = [BLOCKS[0], BLOCKS[1], 30, 31, 32]
     book.begin_lookup(request, CHUNK)
     book.end_lookup(request)
     resumed = CachedRequests([request_id], [(table,)], {request_id}, [CHUNK])
     step2 = book.on_schedule(SchedulerOutput({request_id: 69}, [], resumed), 0)
-    request.num_computed_tokens, request.num_in_flight_tokens = 133, 59 + 69
-    request.num_in_flight_tokens -= 59
+    request.num_computed_tokens, request.num_in_flight_tokens = 133, 69  # step 2 in flight as step 1's rows arrive
     book.on_worker_output(worker_output(step1, 74, 133))  # rows for the blocks it had then
     request.num_in_flight_tokens -= 69
     positions = np.arange(CHUNK, 133)
