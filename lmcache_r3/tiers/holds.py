@@ -2,10 +2,10 @@
 
 A tier's task copies between LMCache's L1 buffers and the tier. LMCache may reuse those buffers as soon as the task
 is reported failed (the tier adapter's watchdog fails a task that runs too long), so every copy into or out of them,
-and every checksum over them, runs under a *hold*: :meth:`CallerBuffers.hold` refuses once the task was failed, and
-while any hold is taken the watchdog leaves the task alone. A copy is bounded (memory and tmpfs do not stall), so a
-hold delays a failure by at most one copy; a transfer that cannot be stopped (Mooncake's direct reads) holds until it
-returns or its own bound passes.
+and every checksum over them, runs under a *hold*: :meth:`CallerBuffers.hold` refuses once the task was failed or
+ran past its timeout, and while any hold is taken the watchdog leaves the task alone. A copy is bounded (memory and
+tmpfs do not stall), so the holds in progress delay a failure by at most their copies; a transfer that cannot be
+stopped (Mooncake's direct reads) holds until it returns or its own bound passes.
 
 :data:`UNHELD` is for a store used outside LMCache (tests, benchmarks): its holds are always granted.
 """
@@ -30,7 +30,8 @@ class CallerBuffers:
         return False
 
     def hold(self) -> bool:
-        """Take a hold (the task cannot be failed until :meth:`release`); False, and nothing held, once it was."""
+        """Take a hold (the task cannot be failed until :meth:`release`); False, and nothing held, once it was
+        failed or ran past its timeout."""
         return True
 
     def release(self) -> None:

@@ -17,6 +17,9 @@ Loaded by LMCache's stock plugin factory::
 * ``key_prefix`` (``"lmcache_r3/"``): namespaces this tier's keys in a shared Mooncake.
 * ``capacity_bytes`` (0): passed to LMCache as ``max_capacity_bytes`` so an ``"eviction"`` policy can evict ahead of
   Mooncake's own eviction (0: leave eviction to Mooncake).
+* ``known_sweep_seconds`` (1): how often the adapter asks Mooncake whether the next 4096 keys it knows are still
+  there and reports the ones Mooncake evicted on its own as deleted (0: never), so its key set, its usage and
+  LMCache's view of the tier follow Mooncake's eviction instead of growing with every key ever stored.
 * ``task_timeout_seconds`` (10): the watchdog fails a task still running after this long.
 * ``unhealthy_for_seconds`` (5): status stays unhealthy this long after a timeout, an exception or a failed task.
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (2 / 1 / 2).
@@ -51,6 +54,7 @@ are counted as ``vanished_objects``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -68,9 +72,11 @@ __all__ = ["MooncakeL2Adapter", "l1_region", "mooncake_key"]
 
 _ADAPTER_PARAMS = frozenset(
     "key_prefix capacity_bytes task_timeout_seconds unhealthy_for_seconds num_store_workers num_lookup_workers "
-    "num_load_workers".split()
+    "num_load_workers known_sweep_seconds".split()
 )
 _WORKERS = {"store": 2, "lookup": 1, "load": 2}
+_PAGE = 4096
+"""Keys per existence query of the reconciliation and the sweep (about 2 ms a query on loopback)."""
 
 
 def mooncake_key(key: ObjectKey, prefix: str = "lmcache_r3/") -> str:
@@ -120,6 +126,10 @@ class MooncakeL2Adapter(TaskL2Adapter):
         capacity = _number(params, "capacity_bytes", 0, integer=True)
         timeout = float(_number(params, "task_timeout_seconds", 10.0))
         unhealthy_for = float(_number(params, "unhealthy_for_seconds", 5.0))
+        self._sweep_every = float(_number(params, "known_sweep_seconds", 1.0))
+        self._sweep_at = 0.0
+        self._sweep_names: list[str] = []
+        """Known keys still to check in the current pass of the sweep."""
         workers = {
             kind: max(1, _number(params, f"num_{kind}_workers", n, integer=True)) for kind, n in _WORKERS.items()
         }
@@ -188,17 +198,36 @@ class MooncakeL2Adapter(TaskL2Adapter):
         if recoveries != self._seen_recoveries:
             self._seen_recoveries = recoveries
             self._reconcile()
+        now = time.monotonic()
+        if self._sweep_every and now >= self._sweep_at and self._store.state == "up":
+            self._sweep_at = now + self._sweep_every
+            self._sweep_known()
 
     def _reconcile(self) -> None:
         """After the master came back (perhaps empty), report the known keys Mooncake no longer has as deleted."""
         with self._lock:
             names = list(self._known)
-        vanished = []
-        for start in range(0, len(names), 4096):
-            batch = names[start : start + 4096]
-            vanished += [name for name, code in zip(batch, self._store.exists(batch), strict=True) if code == 0]
-        self._count(self.VANISHED, self._unregister(vanished))
-        logger.info("MooncakeL2Adapter: master back; %d of %d known objects are gone", len(vanished), len(names))
+        vanished = self._forget_gone(names)
+        logger.info("MooncakeL2Adapter: master back; %d of %d known objects are gone", vanished, len(names))
+
+    def _sweep_known(self) -> None:
+        """Check the next page of the known keys (a pass over all of them, page by page, then a new pass)."""
+        if not self._sweep_names:
+            with self._lock:
+                self._sweep_names = list(self._known)
+        page, self._sweep_names = self._sweep_names[:_PAGE], self._sweep_names[_PAGE:]
+        if page:
+            self._forget_gone(page)
+
+    def _forget_gone(self, names: list[str]) -> int:
+        """Report the ``names`` Mooncake says it no longer has as deleted (an error is not an answer); how many."""
+        gone = []
+        for start in range(0, len(names), _PAGE):
+            batch = names[start : start + _PAGE]
+            gone += [name for name, code in zip(batch, self._store.exists(batch), strict=True) if code == 0]
+        vanished = self._unregister(gone)
+        self._count(self.VANISHED, vanished)
+        return vanished
 
     # -- status and shutdown -----------------------------------------------------------------------------------------
     def _tier_status(self, counters: dict[str, int]) -> tuple[bool, dict[str, Any]]:

@@ -15,7 +15,9 @@ Negative codes are Mooncake's (``OBJECT_NOT_FOUND`` -704, ``RPC_FAIL`` -900, ...
 ``CANCELLED``); ``describe`` names them. Every call is bounded and the master may come and go: see that module.
 
 An object is the 32-byte header of :mod:`lmcache_r3.tiers.shm_store` (magic, version, payload length, XXH3-64 of the
-payload, XXH3-64 of the header) followed by the payload. Each object moves one of two ways:
+payload seeded with the object's key, XXH3-64 of the header) followed by the payload; the seed makes a read that
+finds another key's object of the same size (Mooncake reused its memory while the read ran) fail its check. Each
+object moves one of two ways:
 
 * *Staged* (objects under ``zero_copy_min_bytes``, or outside the registered region, or when none is registered).
   A write copies header and payload into a registered staging buffer and hands it to ``batch_put_from``. A read has
@@ -87,7 +89,7 @@ from lmcache_r3.tiers.mooncake_client import (
     describe,
 )
 from lmcache_r3.tiers.mooncake_config import MooncakeTierSettings
-from lmcache_r3.tiers.shm_store import HEADER, decode_header, encode_header
+from lmcache_r3.tiers.shm_store import HEADER, decode_header, encode_header, key_seed
 
 logger = init_logger(__name__)
 
@@ -180,7 +182,7 @@ class MooncakeObjectStore:
                 break
             call = _Call([], buf, [], [], holding=direct)
             try:
-                ptrs, sizes = self._stage(call, group, slots, payloads, addresses)
+                ptrs, sizes = self._stage(call, group, slots, keys, payloads, addresses)
             except BaseException:
                 buffers.release()
                 self._client.done_with(buf, [])
@@ -201,7 +203,12 @@ class MooncakeObjectStore:
 
     @staticmethod
     def _stage(
-        call: _Call, group: list[int], slots: list[int], payloads: Sequence[memoryview], addresses: list[int | None]
+        call: _Call,
+        group: list[int],
+        slots: list[int],
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        addresses: list[int | None],
     ) -> tuple[list[list[int]], list[list[int]]]:
         """Seal each staged payload into its slot of ``call.buf`` and the header of each direct one; the parts'
         pointers and sizes."""
@@ -211,11 +218,11 @@ class MooncakeObjectStore:
         for i, slot in zip(group, slots, strict=True):
             payload, address = payloads[i], addresses[i]
             if address is None:
-                seal_object(staging[offset : offset + slot], payload)
+                seal_object(staging[offset : offset + slot], payload, keys[i])
                 ptrs.append([base + offset])
                 sizes.append([slot])
             else:
-                digest = xxhash.xxh3_64_intdigest(payload)
+                digest = xxhash.xxh3_64_intdigest(payload, object_seed(keys[i]))
                 staging[offset : offset + HEADER.size] = encode_header(payload.nbytes, digest)
                 ptrs.append([base + offset, address])
                 sizes.append([HEADER.size, payload.nbytes])
@@ -378,11 +385,11 @@ class MooncakeObjectStore:
                 codes[i] = SIZE_MISMATCH if code >= 0 or code == INVALID_PARAMS else code
                 continue
             if call.addresses[j] is None:
-                payload = open_object(staging[offset : offset + size])
+                payload = open_object(staging[offset : offset + size], keys[i])
                 intact = payload is not None
             else:
                 payload = None
-                intact = check_object(bytes(staging[offset : offset + HEADER.size]), views[i])
+                intact = check_object(bytes(staging[offset : offset + HEADER.size]), views[i], keys[i])
             if not intact:
                 codes[i] = CORRUPT
                 corrupt.append(keys[i])
@@ -465,11 +472,18 @@ def batch_groups(limit: int, sizes: Sequence[int]) -> list[tuple[list[int], int]
     return groups
 
 
-def seal_object(into: memoryview, payload: memoryview) -> None:
-    """Write header + ``payload`` into ``into`` (exactly ``HEADER.size + payload.nbytes`` bytes)."""
+def object_seed(key: str) -> int:
+    """The seed of the checksum of the object stored under ``key``: an object read under another key (Mooncake
+    reused its memory for an object of the same size during the read) fails its check."""
+    return key_seed(key.encode())
+
+
+def seal_object(into: memoryview, payload: memoryview, key: str) -> None:
+    """Write header + ``payload`` into ``into`` (exactly ``HEADER.size + payload.nbytes`` bytes), to be stored under
+    ``key``."""
     stored = into[HEADER.size :]
     _copy(stored, payload)
-    into[: HEADER.size] = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(stored))
+    into[: HEADER.size] = encode_header(payload.nbytes, xxhash.xxh3_64_intdigest(stored, object_seed(key)))
 
 
 def _copy(into: memoryview, data: memoryview) -> None:
@@ -480,16 +494,22 @@ def _copy(into: memoryview, data: memoryview) -> None:
         np.copyto(np.frombuffer(into, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
 
 
-def check_object(header: bytes, payload: memoryview) -> bool:
-    """Whether ``header`` (a stored object's first 32 bytes) is valid and describes ``payload``: length and checksum."""
+def check_object(header: bytes, payload: memoryview, key: str) -> bool:
+    """Whether ``header`` (the first 32 bytes of the object read under ``key``) is valid and describes ``payload``:
+    length, and checksum seeded with the key."""
     decoded = decode_header(header)
-    return decoded is not None and decoded[0] == payload.nbytes and xxhash.xxh3_64_intdigest(payload) == decoded[1]
+    return (
+        decoded is not None
+        and decoded[0] == payload.nbytes
+        and xxhash.xxh3_64_intdigest(payload, object_seed(key)) == decoded[1]
+    )
 
 
-def open_object(data: memoryview) -> memoryview | None:
-    """The payload of a stored object (header + payload), or None when its header or checksum does not match."""
+def open_object(data: memoryview, key: str) -> memoryview | None:
+    """The payload of the object (header + payload) read under ``key``, or None when its header or checksum does not
+    match."""
     payload = data[HEADER.size :]
-    return payload if check_object(bytes(data[: HEADER.size]), payload) else None
+    return payload if check_object(bytes(data[: HEADER.size]), payload, key) else None
 
 
 def stored_sizes(native: Any, keys: list[str]) -> list[int]:

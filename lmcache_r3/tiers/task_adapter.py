@@ -20,7 +20,9 @@ the tasks still pending after a grace period.
 A tier touches the caller's buffers (LMCache's L1 memory) only under a hold from :meth:`TaskL2Adapter._buffers`
 (see :mod:`lmcache_r3.tiers.holds`): a hold is refused once the task was abandoned, and the watchdog does not fail a
 task while it holds one, so no byte is copied into or out of memory LMCache reused after a failure, and an object a
-store task publishes after it failed still holds the bytes it was given.
+store task publishes after it failed still holds the bytes it was given. A hold asked for after the task timeout is
+refused too, so a task whose copies overlap (Mooncake's pipelined direct reads: the next batch holds before the
+last one lets go) still ends within the timeout plus the copies in progress; it counts as a timeout.
 
 Locks and accounting
 --------------------
@@ -81,22 +83,34 @@ class Task:
     holds: int = 0
     """Holds taken on the caller's buffers (see :class:`TaskBuffers`): while any is, the watchdog leaves the task
     alone, as failing it would hand memory back to LMCache while it is read or written."""
+    expired: bool = False
+    """It asked for a hold after the task timeout: refused, as is every later one, so a task whose copies keep
+    overlapping (one hold taken before the last is released) still ends; it completes as a timeout."""
 
 
 class TaskBuffers(CallerBuffers):
-    """The caller's buffers of one task: a hold is refused once the task was abandoned, and while one is taken the
-    watchdog (which abandons tasks under ``lock``) leaves the task alone."""
+    """The caller's buffers of one task: a hold is refused once the task was abandoned or ran past ``timeout_s``,
+    and while one is taken the watchdog (which abandons tasks under ``lock``) leaves the task alone."""
 
-    def __init__(self, lock: threading.Lock, task: Task) -> None:
+    def __init__(self, lock: threading.Lock, task: Task, timeout_s: float) -> None:
         self._lock = lock
         self._task = task
+        self._timeout = timeout_s
+
+    def _refused(self) -> bool:
+        """Whether holds are refused now, marking the task expired once it is past its timeout (the lock is held)."""
+        task = self._task
+        if not (task.abandoned or task.expired) and time.monotonic() - task.started > self._timeout:
+            task.expired = True
+        return task.abandoned or task.expired
 
     def cancelled(self) -> bool:
-        return self._task.abandoned
+        with self._lock:
+            return self._refused()
 
     def hold(self) -> bool:
         with self._lock:
-            if self._task.abandoned:
+            if self._refused():
                 return False
             self._task.holds += 1
             return True
@@ -244,11 +258,22 @@ class TaskL2Adapter(L2AdapterInterface):
         return L2StoreResult(False, 0) if task.kind == "store" else Bitmap(task.size)
 
     def _finish(self, task: Task, result: Any) -> bool:
-        """Publish ``result`` and signal, once per task; False when the task was already completed."""
+        """Publish ``result`` and signal, once per task; False when the task was already completed.
+
+        A task that ended because a hold was refused past its timeout counts as a timeout, as if the watchdog had
+        failed it (its result is whatever it completed before).
+        """
         with self._lock:
             if not self._complete(task, result):
                 return False
+            expired = task.expired and not task.abandoned
+            if expired:
+                self._counters["timeouts"] += 1
+                self._last_stall = time.monotonic()
         self._signal(task.kind)
+        if expired:
+            logger.error("%s: %s task %d (%d keys) ran over %.1f s; stopped at its next hold on LMCache's memory",
+                         type(self).__name__, task.kind, task.tid, task.size, self._timeout)  # fmt: skip
         return True
 
     def _complete(self, task: Task, result: Any) -> bool:
@@ -269,7 +294,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     def _buffers(self, task: Task) -> TaskBuffers:
         """The holds on ``task``'s buffers (see :mod:`lmcache_r3.tiers.holds`)."""
-        return TaskBuffers(self._lock, task)
+        return TaskBuffers(self._lock, task, self._timeout)
 
     def _crashed(self, task: Task) -> None:
         """The tier raised out of a task's operation: count and log it (the job still completes the task)."""

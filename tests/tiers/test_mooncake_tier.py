@@ -279,6 +279,31 @@ def test_a_killed_master_costs_bounded_misses_and_the_tier_recovers_after_a_rest
         server.stop()
 
 
+def test_objects_mooncake_evicts_on_its_own_leave_the_tiers_key_set_and_usage(own_cluster, monkeypatch):
+    # With capacity_bytes 0 LMCache never evicts from the tier; Mooncake does, without telling it. The sweep of the
+    # known keys keeps the tier's key set (and LMCache's usage and eviction view) to what Mooncake still holds.
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter, mooncake_key
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    tier = MooncakeL2Adapter(mooncake_tier(own_cluster, known_sweep_seconds=0.2)["adapter_params"])
+    try:
+        wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+        size = 1 << 20
+        stored = [i for i in range(160) if _store(tier, i, bytes([i]) * size)]  # 160 MiB into a 64 MB segment
+        names = [mooncake_key(_key(i), tier._prefix) for i in stored]
+
+        def still_there() -> int:
+            return sum(code == 1 for code in tier._store.exists(names))
+
+        assert still_there() < len(stored), "Mooncake evicted nothing: the test stores too little"
+        wait_for(lambda: tier.report_status()["objects"] == still_there(), 10, "the known keys follow Mooncake's")
+        assert tier.get_usage().total_bytes_used == still_there() * size
+        assert tier.report_status()["counters"]["vanished_objects"] == len(stored) - still_there()
+    finally:
+        tier.close()
+
+
 def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
     r3_server_factory, own_cluster
 ):
@@ -321,10 +346,11 @@ def test_a_server_with_a_missing_mooncake_setting_refuses_to_start_naming_the_ke
 
 # -- a Mooncake client that throws or stalls ------------------------------------------------------------------------
 class _FaultyClient:
-    """The real Mooncake client, except that the named methods raise or block until released."""
+    """The real Mooncake client, except that the named methods raise, block until released, or take ``slow_s``
+    longer."""
 
-    def __init__(self, client, methods: tuple[str, ...], fault: str) -> None:
-        self._client, self._methods, self._fault = client, methods, fault
+    def __init__(self, client, methods: tuple[str, ...], fault: str, slow_s: float = 0.0) -> None:
+        self._client, self._methods, self._fault, self._slow_s = client, methods, fault, slow_s
         self.release = threading.Event()
 
     def __getattr__(self, name):
@@ -335,7 +361,10 @@ class _FaultyClient:
         def faulty(*args, **kwargs):
             if self._fault == "raise":
                 raise RuntimeError(f"injected: {name} failed")
-            self.release.wait(30)
+            if self._fault == "slow":
+                time.sleep(self._slow_s)
+            else:
+                self.release.wait(30)
             return real(*args, **kwargs)
 
         return faulty
@@ -394,6 +423,21 @@ def test_a_corrupted_object_in_mooncake_is_a_counted_miss_and_is_removed(adapter
     assert status["corrupt"] == 1 and status["objects"] == 0
     assert mooncake_store.is_exist(name) == 0, "the corrupt object stayed in Mooncake"
     assert _lookup(adapter, 4) == 0
+
+
+def test_another_keys_intact_object_in_a_keys_place_is_a_counted_miss_and_never_reaches_l1(adapter, mooncake_store):
+    # What a read sees when Mooncake evicts its object mid-read and reuses the memory for another of the same size.
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    payloads = [os.urandom(4096) for _ in range(2)]
+    assert _store(adapter, 7, payloads[0]) and _store(adapter, 8, payloads[1])
+    name, other = (mooncake_key(_key(i), adapter._prefix) for i in (7, 8))
+    assert mooncake_store.remove(name, True) == 0 and mooncake_store.put(name, bytes(mooncake_store.get(other))) == 0
+
+    into = CallerBuffer(bytes(len(payloads[0])))
+    assert _load(adapter, 7, into) == 0 and into.data == bytes(len(payloads[0])), "another key's object reached L1"
+    assert adapter.report_status()["corrupt"] == 1
+    assert _load(adapter, 8, into) == 1 and into.data == payloads[1]
 
 
 @pytest.mark.parametrize("delta", [-1, 1])
@@ -729,6 +773,52 @@ def test_a_direct_read_through_a_paused_holder_is_waited_for_and_never_writes_in
         os.kill(cluster.holder.pid, signal.SIGCONT)
         tier.close()
         cluster.stop()
+
+
+def test_a_direct_load_of_many_slow_batches_ends_at_the_task_timeout_and_never_writes_into_l1_late(
+    mooncake_cluster, monkeypatch
+):
+    """Direct reads are pipelined (the next batch takes its hold on L1 before the last one lets go), so the watchdog,
+    which waits for no hold, would never find the task idle: holds asked for past the task timeout are refused."""
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    # Each read 0.15 s slower: within the tests' 200 ms read lease (a read started later fails LEASE_EXPIRED).
+    count, size, slow_s, timeout_s = 32, 256 << 10, 0.15, 0.6
+    arena = np.zeros(2 * count * size, dtype=np.uint8)
+    params = mooncake_tier(mooncake_cluster, zero_copy_min_bytes=0, direct_reads=True, batch_bytes=size,
+                           task_timeout_seconds=timeout_s)["adapter_params"]  # fmt: skip
+    tier = MooncakeL2Adapter(params, L1MemoryDesc(ptr=arena.ctypes.data, size=arena.nbytes, align_bytes=1))
+    client = tier._store._client
+    try:
+        wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+        wait_for(lambda: client.region is not None, 5, "the L1 arena registered")
+        sources = [ArenaBuffer(arena, j * size, size) for j in range(count)]
+        for j, source in enumerate(sources):
+            source.view[:] = np.random.default_rng(j).integers(0, 256, size, dtype=np.uint8)
+        assert _store_objects(tier, 90, sources)
+        targets = [ArenaBuffer(arena, (count + j) * size, size) for j in range(count)]
+        client._native = _FaultyClient(client._native, ("batch_get_into_multi_buffer_ranges",), "slow", slow_s)
+        task = tier.submit_load_task([_key(90 + j) for j in range(count)], list(targets))
+        loaded, took = timed(lambda: completed(tier.get_load_event_fd(), lambda: tier.query_load_result(task)))
+        # Uncut, the 32 one-object batches take over 2.4 s (two in flight); cut, the timeout and the reads in progress.
+        assert took < timeout_s + 2 * slow_s + 0.5, f"a load of slow batches ran {took:.1f} s (timeout {timeout_s} s)"
+        assert 0 < loaded.popcount() < count, f"{loaded.popcount()} of {count} objects loaded"
+        for j in loaded.get_indices_list():
+            assert np.array_equal(targets[j].view, sources[j].view), f"object {j} came back different"
+        assert tier.report_status()["counters"]["timeouts"] == 1
+        assert not tier.report_status()["is_healthy"], "a task that ran over its timeout leaves the tier healthy"
+        for target in targets:
+            target.view[:] = 0xA5  # LMCache reuses the memory of a failed load
+        time.sleep(2 * slow_s)
+        assert all((target.view == 0xA5).all() for target in targets), "a read wrote into L1 after the load ended"
+    finally:
+        while isinstance(client._native, _FaultyClient):
+            client._native = client._native._client
+        tier.close()
 
 
 def test_a_direct_read_is_served_at_once_while_ending_its_session_stalls_on_the_master(l1_adapter):

@@ -21,7 +21,7 @@ from lmcache_r3.tiers.mooncake_config import (
     parse_size,
     settings_from_params,
 )
-from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore, batch_groups, open_object
+from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore, batch_groups, open_object, seal_object
 from lmcache_r3.tiers.shm_store import HEADER, encode_header
 
 MOONCAKE = {"local_hostname": LOOPBACK, "metadata_server": "P2PHANDSHAKE", "master_server_address": "10.0.0.1:50051"}
@@ -119,20 +119,30 @@ def test_the_adapter_refuses_an_unknown_parameter_listing_the_known_ones():
 
 
 # -- objects, batches, keys --------------------------------------------------------------------------------------------
-def _sealed(payload: bytes) -> bytearray:
-    return bytearray(encode_header(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
+def _sealed(payload: bytes, key: str = "prefix/key-a") -> bytearray:
+    sealed = bytearray(HEADER.size + len(payload))
+    seal_object(memoryview(sealed), memoryview(payload), key)
+    return sealed
 
 
 def test_an_object_is_served_only_when_header_and_checksum_match():
     payload = os.urandom(1000)
-    assert bytes(open_object(memoryview(_sealed(payload)))) == payload
+    assert bytes(open_object(memoryview(_sealed(payload)), "prefix/key-a")) == payload
     for position in (0, 10, HEADER.size - 1, HEADER.size, HEADER.size + 999):
         damaged = _sealed(payload)
         damaged[position] ^= 0x01
-        assert open_object(memoryview(damaged)) is None, f"a flipped bit at byte {position} was served"
-    assert open_object(memoryview(_sealed(payload))[:-1]) is None
-    assert open_object(memoryview(_sealed(payload) + b"x")) is None
-    assert open_object(memoryview(bytearray(HEADER.size + 1000))) is None
+        assert open_object(memoryview(damaged), "prefix/key-a") is None, f"a flipped bit at byte {position} was served"
+    assert open_object(memoryview(_sealed(payload))[:-1], "prefix/key-a") is None
+    assert open_object(memoryview(_sealed(payload) + b"x"), "prefix/key-a") is None
+    assert open_object(memoryview(bytearray(HEADER.size + 1000)), "prefix/key-a") is None
+    unseeded = bytearray(encode_header(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload)
+    assert open_object(memoryview(unseeded), "prefix/key-a") is None
+
+
+def test_an_intact_object_of_another_key_is_never_served():
+    # Mooncake may evict an object during a read and reuse its memory for another key's object of the same size.
+    payload = os.urandom(1000)
+    assert open_object(memoryview(_sealed(payload, key="prefix/key-b")), "prefix/key-a") is None
 
 
 @pytest.mark.parametrize(
