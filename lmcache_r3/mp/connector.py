@@ -179,6 +179,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         load with a tracker state, but drops a preempted request's tracker at every call here, so a preempted request
         would look up, be refused and be reset again at every step, and never run.
         """
+        if self.routed is not None:
+            self.routed.lookup_asked(request.request_id)
         if request.request_id in self._recompute_only:
             tracker = self._get_or_create_request_tracker(request)
             if tracker.state != LMCacheMPRequestState.BYPASS_LMCACHE:  # as LMCache's own bypass of a failed load

@@ -310,6 +310,13 @@ class RoutedExpertsBook:
             state.fetched = (fetch.start, np.concatenate([chunk.rows for chunk in chunks]))
         return fetch.start + len(chunks) * self.chunk_size
 
+    def lookup_asked(self, request_id: str) -> None:
+        """vLLM looks the request up (it computed nothing yet: new, preempted, or back from a load that failed
+        before its first valid block): an admission from an earlier lookup no longer describes how it starts."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.admitted = (0, 0)
+
     def end_lookup(self, request: Any) -> None:
         """The lookup found nothing to load past the local hit: the R3 fetch's answer is not needed."""
         state = self._state(request)
@@ -336,6 +343,8 @@ class RoutedExpertsBook:
         """
         if self._fetch_queue:
             self.send_fetches()  # the lookups of this engine step are done: one call fetches all their R3
+        for request_id in scheduler_output.preempted_req_ids or ():
+            self._preempted(request_id)
         step = self._next_step
         self._next_step += 1
         copies = [(copy.src_block_id, copy.dst_block_id) for copy in scheduler_output.kv_cache_block_copies or ()]
@@ -374,6 +383,16 @@ class RoutedExpertsBook:
             return None  # its copies are applied with the next step's rows
         self._in_flight[step] = scheduler_output.num_scheduled_tokens
         return step
+
+    def _preempted(self, request_id: str) -> None:
+        """vLLM freed the request's blocks: no row is read through them again, as another request may compute into
+        them before this one is scheduled again with a new block table. R3 still to publish waits for that table (an
+        LMCache hit can set ``num_computed_tokens`` while the request waits unscheduled): a store of the new run
+        makes it due again, and it is read from the rows of the new run."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.blocks = []
+            self._publish_due.pop(request_id, None)
 
     def _apply_copies(self, through: int) -> None:
         """Apply the block copies of every step up to ``through``, in step order."""

@@ -60,6 +60,7 @@ class SchedulerOutput:
     scheduled_new_reqs: list[NewRequest] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequests = field(default_factory=CachedRequests)
     kv_cache_block_copies: list | None = None
+    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 def rows(start: int, end: int, salt: int = 0) -> np.ndarray:
@@ -286,6 +287,65 @@ def test_a_store_of_a_request_preempted_before_its_rows_came_waits_for_the_rows_
     assert fetched_chunks(book.client, request.all_token_ids, 2) == 2
     chunks = decode_run(book.client.fetch(request.all_token_ids).result().objects, PROFILE, 0, CHUNK).chunks
     np.testing.assert_array_equal(chunks[1].rows, rows(CHUNK, 2 * CHUNK, salt=4))
+
+
+def test_r3_of_a_request_preempted_before_its_step_reported_is_never_read_through_the_blocks_it_gave_up(book):
+    # Async scheduling: R stores chunk 0's KV in step 0 and is preempted in step 1, before step 0 reports. Q gets R's
+    # blocks and computes into them; R, looked up again, waits for an LMCache load that already counts its tokens as
+    # computed. R3 published under R's chunk key is R's own routing or nothing, never Q's.
+    own, other = Request("preempted-r", list(range(41000, 41100))), Request("preempted-q", list(range(42000, 42100)))
+    step0 = start_request(book, own, CHUNK, store_end=CHUNK)
+    own.num_computed_tokens = own.num_in_flight_tokens = CHUNK
+    book.on_schedule(SchedulerOutput({}, preempted_req_ids={own.request_id}), 0)
+    own.num_computed_tokens = own.num_in_flight_tokens = 0
+    book.on_worker_output(worker_output(step0, 0, CHUNK))
+    q_step = start_request(book, other, CHUNK)  # R's blocks
+    other.num_computed_tokens = CHUNK
+    book.on_worker_output(worker_output(q_step, 0, CHUNK, salt=5))
+    book.lookup_asked(own.request_id)
+    book.begin_lookup(own, 0)
+    book.admitted(own.request_id, 0, CHUNK)
+    own.num_computed_tokens = CHUNK  # vLLM counts the tokens of the asynchronous load while it waits
+    decode = CachedRequests([other.request_id], [None], set(), [CHUNK])
+    step = book.on_schedule(SchedulerOutput({other.request_id: 1}, [], decode), 0)
+    other.num_computed_tokens = CHUNK + 1
+    book.on_worker_output(worker_output(step, CHUNK, CHUNK + 1, salt=5))
+    book.settle(5)
+    fetched = book.client.fetch(own.all_token_ids).result()
+    for chunk in decode_run(fetched.objects, PROFILE, 0, CHUNK).chunks:
+        np.testing.assert_array_equal(chunk.rows, rows(0, CHUNK), err_msg="another request's rows under R's key")
+    assert book._requests[own.request_id].incomplete is None, book._requests[own.request_id].incomplete
+
+
+def test_a_request_looked_up_again_after_a_failed_load_starts_at_its_new_hit_and_keeps_shared_rows(book):
+    # R is admitted an LMCache hit of chunk 0; its load fails before the first valid block, so vLLM frees its blocks
+    # and looks it up again, now hitting the blocks S computed in vLLM's own prefix cache. The old admission must not
+    # make those blocks LMCache's: neither R nor S (nor any later hit on them) loses its rows.
+    tokens = list(range(43000, 43099))
+    shared, request = Request("hit-owner", list(tokens)), Request("failed-load", list(tokens))
+    book.begin_lookup(request, 0)
+    book.admitted(request.request_id, 0, CHUNK)
+    step = start_request(book, shared, 99)
+    shared.num_computed_tokens = 99
+    book.on_worker_output(worker_output(step, 0, 99))
+    book.lookup_asked(request.request_id)  # the load failed: vLLM asks again
+    book.begin_lookup(request, CHUNK)
+    book.end_lookup(request)  # LMCache has nothing past vLLM's own hit
+    table = [BLOCKS[0], BLOCKS[1], 30, 31]
+    step = book.on_schedule(SchedulerOutput({request.request_id: 99 - CHUNK},
+                                            [NewRequest(request.request_id, (table,), CHUNK)]), 0)  # fmt: skip
+    request.num_computed_tokens = 99
+    positions = np.arange(CHUNK, 99)
+    own_slots = np.asarray(table)[positions // BLOCK] * BLOCK + positions % BLOCK
+    book.on_worker_output(R3WorkerMetadata(step=step, slots=own_slots, rows=rows(CHUNK, 99)))
+    outputs = {}
+    for done in (request, shared):
+        done.all_token_ids.append(7)
+        outputs[done.request_id] = params = finish(book, done)
+        assert ROUTED_EXPERTS_ERROR_KEY not in params, params.get(ROUTED_EXPERTS_ERROR_KEY)
+        np.testing.assert_array_equal(decode_routed_experts(params[ROUTED_EXPERTS_KEY]), rows(0, 99))
+    sources = outputs[request.request_id]["lmcache_r3_sources"]
+    assert sources == {"vllm_cached_tokens": CHUNK, "lmcache_tokens": 0, "computed_tokens": 99 - CHUNK}
 
 
 def test_an_incomplete_last_child_keeps_its_siblings_rows_and_says_why_for_itself_only(book):
