@@ -69,6 +69,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"port and http_port are both {self.port}; give them different ports")
         if not self.host:
             raise ValueError("host is empty; use 127.0.0.1 for a single-host deployment")
+        if ":" in self.host:
+            raise ValueError(
+                f"host {self.host!r} is an IPv6 address, which the connector's tcp://host:port URLs cannot carry; "
+                "use an IPv4 address or a host name"
+            )
+        if not math.isfinite(self.l1_size_gb):
+            raise ValueError(f"l1_size_gb must be a finite size in GB, got {self.l1_size_gb}")
 
 
 class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -108,8 +115,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     previous answer; off stores prompt tokens only (LMCache's default)."""
 
     def __post_init__(self) -> None:
-        if self.server_url is not None and not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", self.server_url):
-            raise ValueError(f"server_url {self.server_url!r} must look like tcp://127.0.0.1:5555")
+        url = self.server_url
+        well_formed = url is None or re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url)
+        if not well_formed or (url is not None and not 0 < int(url.rsplit(":", 1)[1]) < 65536):
+            raise ValueError(f"server_url {url!r} must look like tcp://127.0.0.1:5555 (a port in 1..65535)")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -84,7 +84,9 @@ class StoreResponse(msgspec.Struct, frozen=True):
     num_stored: int
     """Chunks newly written."""
     num_present: int
-    """Chunks that were already stored (first writer wins; the bytes are identical by construction)."""
+    """Chunks this call did not write: LMCache's L1 refused to reserve them, because they were already stored (first
+    writer wins; the bytes are identical by construction), are being written by another call, or L1 had no room. The
+    last is not told apart: a later lookup of such a chunk finds no R3 and its hit stops there (recomputed)."""
 
 
 class StoreManyResponse(msgspec.Struct, frozen=True):

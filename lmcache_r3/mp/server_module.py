@@ -75,9 +75,12 @@ SERVER_COUNTERS = (
     "store_handler_us",
     "read_handler_us",
 )
-"""Monotonic counters the R3 module reports in ``/status``; updated from the server's worker threads. The
-``*_handler_us`` ones add up the microseconds the module's store and lookup/fetch handlers ran: the server time
-routed experts take."""
+"""Monotonic counters the R3 module reports in ``/status``; updated from the server's worker threads.
+``store_skipped_chunks`` counts the chunks a store did not write (already stored, being written by another call, or
+no room in L1: see ``StoreResponse.num_present``). ``prefetch_timeouts`` counts lookups and fetches that stopped
+waiting for the L2 tiers (``abandoned_prefetches``, beside the counters, is how many of those prefetches have not
+ended yet). The ``*_handler_us`` ones add up the microseconds the module's store and lookup/fetch handlers ran: the
+server time routed experts take."""
 
 
 def _timed(counter: str) -> Callable[[Callable[..., bytes]], Callable[..., bytes]]:
@@ -115,6 +118,7 @@ class R3ServerModule:
         if not self.namespace or "@" in self.namespace:
             raise ValueError(f"lmcache_r3 server module: namespace {self.namespace!r} must be non-empty, without '@'")
         self.counters = Counters(*SERVER_COUNTERS)
+        self._abandoned = _AbandonedPrefetches()
         logger.info("lmcache_r3 R3 chunk type loaded: namespace=%r chunk_size=%d", self.namespace, self._ctx.chunk_size)
 
     # -- EngineModule ---------------------------------------------------------------------------------------
@@ -129,11 +133,12 @@ class R3ServerModule:
                 "chunk_size": self.chunk_size,
                 "format_version": FORMAT_VERSION,
                 **self.counters.snapshot(),
+                "abandoned_prefetches": self._abandoned.pending(),
             }
         }
 
     def close(self) -> None:
-        return None
+        self._abandoned.close()
 
     @property
     def chunk_size(self) -> int:
@@ -403,7 +408,7 @@ class R3ServerModule:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.counters.update(prefetch_timeouts=1)
-                _release_when_done(storage, handle, keys)
+                self._abandoned.add(storage, handle, keys)
                 logger.warning("lmcache_r3: prefetch of %d R3 objects timed out; answering a miss", len(keys))
                 return None
             storage.wait_prefetch_status(handle, remaining)
@@ -435,24 +440,57 @@ def _read_object(obj: Any, object_nbytes: int) -> bytes:
     return ctypes.string_at(obj.data_ptr, object_nbytes)
 
 
-def _release_when_done(storage: Any, handle: Any, keys: list[ObjectKey]) -> None:
-    """A prefetch we stopped waiting for still takes read locks when it finishes: release them then."""
+class _AbandonedPrefetches:
+    """Prefetches a handler stopped waiting for: each still takes read locks on the objects it brings into L1 when
+    it ends, which one thread releases then. One thread for all of them: a stalled tier abandons one prefetch per
+    lookup or fetch, for as long as it stalls."""
 
-    def release() -> None:
-        began = time.monotonic()
-        while time.monotonic() - began < 3600.0:  # however long the tiers take, within reason
-            try:
-                storage.wait_prefetch_status(handle, 1.0)
-                result = storage.query_prefetch_status(handle)
-                if result is not None:
-                    hits = [keys[i] for i in result.hit_cells[0].get_indices_list()] if result.hit_cells else []
-                    if hits:
-                        storage.finish_read_prefetched(hits, read_locks=1, l1_owners=result.l1_owners)
-                    return
-            except Exception:
-                logger.exception("lmcache_r3: releasing the locks of an abandoned R3 prefetch failed; they stay")
-                return
-        logger.error("lmcache_r3: an abandoned R3 prefetch of %d objects did not end within an hour; the read locks it "
-                     "may take stay until LMCache's read-lock TTL (check the L2 tiers)", len(keys))  # fmt: skip
+    POLL_S = 0.5
+    GIVE_UP_S = 3600.0
+    """However long the tiers take, within reason; past it the locks stay until LMCache's read-lock TTL."""
 
-    threading.Thread(target=release, name="lmcache_r3-prefetch-release", daemon=True).start()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Any, Any, list[ObjectKey], float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, storage: Any, handle: Any, keys: list[ObjectKey]) -> None:
+        with self._lock:
+            self._pending.append((storage, handle, keys, time.monotonic()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lmcache_r3-prefetch-release", daemon=True)
+                self._thread.start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            with self._lock:
+                pending, self._pending = self._pending, []
+            left = [item for item in pending if not self._ended(*item)]
+            with self._lock:
+                self._pending = left + self._pending
+
+    def _ended(self, storage: Any, handle: Any, keys: list[ObjectKey], since: float) -> bool:
+        """Release the locks of one abandoned prefetch if it ended; whether it is done with."""
+        try:
+            result = storage.query_prefetch_status(handle)
+            if result is None:
+                if time.monotonic() - since < self.GIVE_UP_S:
+                    return False
+                logger.error("lmcache_r3: an abandoned R3 prefetch of %d objects did not end within an hour; the "
+                             "read locks it may take stay until LMCache's read-lock TTL (check the L2 tiers)",
+                             len(keys))  # fmt: skip
+                return True
+            hits = [keys[i] for i in result.hit_cells[0].get_indices_list()] if result.hit_cells else []
+            if hits:
+                storage.finish_read_prefetched(hits, read_locks=1, l1_owners=result.l1_owners)
+        except Exception:
+            logger.exception("lmcache_r3: releasing the locks of an abandoned R3 prefetch failed; they stay")
+        return True

@@ -332,6 +332,47 @@ def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_wh
         server.stop()
 
 
+def test_lookups_abandoned_while_the_tier_stalls_share_one_release_thread_and_leave_no_lock(
+    lmcache_server_factory, own_cluster
+):
+    # The R3 module waits tier_timeout_s for a prefetch, answers a miss, and leaves the prefetch to end on its own: the
+    # read locks it then takes are released by one thread for every abandoned prefetch, not by a thread each.
+    from lmcache_r3.mp.server_process import r3_server_module_spec
+
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in MOONCAKE_ENV.items():
+            env.setenv(name, value)
+        server = lmcache_server_factory(
+            chunk_size=CHUNK,
+            server_modules=(r3_server_module_spec("##r3", tier_timeout_s=0.5),),
+            l2_adapters=(mooncake_tier(own_cluster, call_timeout_seconds=30.0, task_timeout_seconds=30.0),),
+        )
+    try:
+        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+        tokens, rows = tokens_for(309, 3 * CHUNK), rows_for(309, 3 * CHUNK)
+        with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
+            store_rows(r3, tokens, rows)
+            wait_for_stored(server, 3)
+            clear_l1(server)
+            threads = len(os.listdir(f"/proc/{server.process.pid}/task"))
+            os.kill(own_cluster.master.pid, signal.SIGSTOP)  # the master hangs: the tier's calls wait
+            try:
+                for _ in range(6):
+                    assert r3.lookup(tokens).result().num_hit_chunks == 0
+                module = server.status()["lmcache_r3"]
+                assert module["prefetch_timeouts"] == 6 and module["abandoned_prefetches"] == 6
+                added = len(os.listdir(f"/proc/{server.process.pid}/task")) - threads
+                assert added <= 2, f"{added} threads more for 6 abandoned prefetches"
+            finally:
+                os.kill(own_cluster.master.pid, signal.SIGCONT)
+            wait_for(lambda: server.status()["lmcache_r3"]["abandoned_prefetches"] == 0, 20, "prefetches ended")
+            wait_for(lambda: server.l1_counts()["read_locked_count"] == 0, 5, "their read locks released")
+            hits, fetched = fetch_rows(r3, tokens)
+            assert hits == 3 and np.array_equal(fetched, rows)
+    finally:
+        server.stop()
+
+
 def test_a_server_with_a_missing_mooncake_setting_refuses_to_start_naming_the_key(
     lmcache_server_factory, mooncake_cluster
 ):

@@ -48,6 +48,10 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
         pytest.param({"r3": {"namespace": "a/b"}}, "namespace 'a/b' must be non-empty", id="namespace"),
         pytest.param({"tiers": [{"base_path": "/x"}]}, "tiers[0] has no 'type'", id="tier-type"),
         pytest.param({"connector": {"server_url": "localhost"}}, "must look like tcp://127.0.0.1:5555", id="url"),
+        pytest.param({"connector": {"server_url": "tcp://h:99999"}}, "(a port in 1..65535)", id="url-port"),
+        pytest.param({"connector": {"server_url": "tcp://h:0"}}, "(a port in 1..65535)", id="url-port-0"),
+        pytest.param({"server": {"host": "::1"}}, "host '::1' is an IPv6 address", id="ipv6-host"),
+        pytest.param({"server": {"l1_size_gb": float("inf")}}, "l1_size_gb must be a finite size", id="infinite-l1"),
         pytest.param({"connector": {"r3_timeout_s": 0}}, "connector.r3_timeout_s: expected a number > 0", id="timeout"),
         pytest.param({"r3": {"tier_timeout_s": -1}}, "r3.tier_timeout_s: expected a number > 0", id="tier-timeout"),
         pytest.param(
