@@ -67,6 +67,7 @@ from lmcache_r3.mp.stock_adapter import (
     group_windows,
     has_recurrent_group,
     report_unsubmitted_retrieve_failed,
+    retrieves_in_flight,
 )
 
 logger = logging.getLogger(__name__)
@@ -181,13 +182,17 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """
         if self.routed is not None:
             self.routed.lookup_asked(request.request_id)
-        if request.request_id in self._recompute_only:
+        if request.request_id in self._recompute_only or request.skip_reading_prefix_cache:
+            # skip_reading_prefix_cache (prompt logprobs): vLLM admits the request for local computation whatever this
+            # answers, even "lookup still out", so a lookup sent now would lock its hit on the server until the TTL.
             tracker = self._get_or_create_request_tracker(request)
             if tracker.state != LMCacheMPRequestState.BYPASS_LMCACHE:  # as LMCache's own bypass of a failed load
                 self.scheduler_adapter.cleanup_lookup_result(request.request_id)
                 tracker.allocated_block_ids.clear()
                 tracker.num_stored_tokens = tracker.num_vllm_hit_tokens = tracker.num_lmcache_hit_tokens = 0
                 tracker.state = LMCacheMPRequestState.BYPASS_LMCACHE
+            if self.routed is not None:
+                self.routed.end_lookup(request)  # its rows are all computed here (or vLLM's own hit's)
             return 0, False
         started = time.perf_counter()
         if self.routed is not None:
@@ -300,8 +305,11 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
-        if self.session_ends is not None and connector_output.finished_sending:
-            self.session_ends.stores_finished(connector_output.finished_sending, self._orphaned_lookups.__contains__)
+        if self.session_ends is not None and (connector_output.finished_sending or connector_output.finished_recving):
+            # A request that finished while its KV loaded is done with the server when the load ends: the worker
+            # reports no finished_sending for it (see get_finished).
+            done = set(connector_output.finished_sending or ()) | set(connector_output.finished_recving or ())
+            self.session_ends.stores_finished(done, self._orphaned_lookups.__contains__)
         if self.routed is not None:
             started = time.perf_counter()
             self.routed.on_worker_output(connector_output.kv_connector_worker_meta)
@@ -571,6 +579,24 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self.r3_capture = capture.RouterCapture(self._vllm_config, runners)
             logger.info("lmcache_r3: capturing routed experts of %d MoE layers (%s)",
                         len(runners), self.r3_profile.describe())  # fmt: skip
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """LMCache's report of finished stores and loads, without a finished store for a request whose load has not
+        been reported finished.
+
+        LMCache 0.5.6 reports every finished request it stored nothing more for as ``finished_sending``, at once,
+        also when vLLM finished (aborted) it while its KV was still loading. vLLM then frees its blocks while the
+        load writes into them and drops the request; the load's ``finished_recving`` that follows fails vLLM's
+        ``assert req_id in self.requests`` and stops the engine. For a request finished before its load ended,
+        vLLM itself keeps the blocks until ``finished_recving`` and frees them then, so such a request is never
+        reported in ``finished_sending``: not while its load runs, not with its load's report, not after it.
+        """
+        sending, recving = super().get_finished(finished_req_ids)
+        if not sending:
+            return sending, recving
+        # LMCache counts every request it returns as reported: one held back here never comes back.
+        loading = retrieves_in_flight(self.worker_adapter) | set(recving or ())
+        return set(sending) - loading, recving
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass, whatever the order of load and forward: a new capture step starts."""
