@@ -67,7 +67,6 @@ from lmcache_r3.mp.stock_adapter import (
     group_windows,
     has_recurrent_group,
     report_unsubmitted_retrieve_failed,
-    retrieves_in_flight,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,6 +129,11 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Per request that finished while its lookup was in flight: its tracker, and when to stop waiting."""
         self._failed_retrieves: list[tuple[str, list[int]]] = []
         self._unflushed_store_blocks: set[int] = set()
+        self._loading: set[str] = set()
+        """Requests whose load is out: a retrieve (or a refused one) sent to the worker, its finished_recving unseen."""
+        self._finished_while_loading: set[str] = set()
+        """Requests finished while their load was out, whose finished_sending vLLM must never see (see
+        update_connector_output)."""
         # Routed experts (R3).
         self._r3_group = mirrored_group(kv_cache_config)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
@@ -304,10 +308,26 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         return metadata
 
     def update_connector_output(self, connector_output: Any) -> None:
+        """LMCache's update, without a finished_sending for a request vLLM finished while its load was out.
+
+        vLLM keeps the blocks of a request finished in WAITING_FOR_REMOTE_KVS until its load reports finished
+        (finished_recving), then frees them and drops the request. LMCache 0.5.6's worker reports every finished
+        request as finished_sending (after its stores), the loading one too, before, with or after the load's report.
+        vLLM would free the blocks under the running load and drop the request, and the report that came second would
+        fail its ``assert req_id in self.requests`` and stop the engine core. vLLM reads the finished sets after this
+        call, so such a request is taken out of finished_sending here, in whichever output it comes.
+        """
+        if connector_output.finished_recving:
+            self._loading.difference_update(connector_output.finished_recving)
+        sending = connector_output.finished_sending
+        if sending and self._finished_while_loading:
+            held = self._finished_while_loading.intersection(sending)
+            if held:
+                self._finished_while_loading -= held
+                connector_output.finished_sending = set(sending) - held
         super().update_connector_output(connector_output)
         if self.session_ends is not None and (connector_output.finished_sending or connector_output.finished_recving):
-            # A request that finished while its KV loaded is done with the server when the load ends: the worker
-            # reports no finished_sending for it (see get_finished).
+            # A request finished while its KV loaded is done with the server when its load reports finished.
             done = set(connector_output.finished_sending or ()) | set(connector_output.finished_recving or ())
             self.session_ends.stores_finished(done, self._orphaned_lookups.__contains__)
         if self.routed is not None:
@@ -359,6 +379,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._forget(request.request_id)
         self._recompute_only.discard(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
+        if delay_free and request.request_id in self._loading:
+            self._finished_while_loading.add(request.request_id)
         if self.routed is not None:
             params = self.routed.request_finished(request, params)
         return delay_free, params
@@ -369,6 +391,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             if tracker.state != LMCacheMPRequestState.WAITING_FOR_LOAD:
                 continue
             tracker.state = LMCacheMPRequestState.READY
+            self._loading.add(tracker.request_id)  # a refused retrieve is reported finished (failed) as well
             request_metadata = self._plan_retrieve(tracker)
             if request_metadata is not None:
                 metadata.add_request_metadata(request_metadata)
@@ -579,24 +602,6 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self.r3_capture = capture.RouterCapture(self._vllm_config, runners)
             logger.info("lmcache_r3: capturing routed experts of %d MoE layers (%s)",
                         len(runners), self.r3_profile.describe())  # fmt: skip
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """LMCache's report of finished stores and loads, without a finished store for a request whose load has not
-        been reported finished.
-
-        LMCache 0.5.6 reports every finished request it stored nothing more for as ``finished_sending``, at once,
-        also when vLLM finished (aborted) it while its KV was still loading. vLLM then frees its blocks while the
-        load writes into them and drops the request; the load's ``finished_recving`` that follows fails vLLM's
-        ``assert req_id in self.requests`` and stops the engine. For a request finished before its load ended,
-        vLLM itself keeps the blocks until ``finished_recving`` and frees them then, so such a request is never
-        reported in ``finished_sending``: not while its load runs, not with its load's report, not after it.
-        """
-        sending, recving = super().get_finished(finished_req_ids)
-        if not sending:
-            return sending, recving
-        # LMCache counts every request it returns as reported: one held back here never comes back.
-        loading = retrieves_in_flight(self.worker_adapter) | set(recving or ())
-        return set(sending) - loading, recving
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         """Called before the forward pass, whatever the order of load and forward: a new capture step starts."""

@@ -26,13 +26,6 @@ def report_unsubmitted_retrieve_failed(worker_adapter: Any, request_id: str, blo
     worker_adapter._dropped_retrieves.add(request_id)
 
 
-def retrieves_in_flight(worker_adapter: Any) -> set[str]:
-    """The requests whose retrieve the worker has not reported finished yet: submitted and still running
-    (``retrieve_futures``), or dropped and to be reported at the next ``get_finished`` (``_dropped_retrieves``;
-    LMCache 0.5.6, ``integration/vllm/vllm_multi_process_adapter.py``)."""
-    return set(worker_adapter.retrieve_futures) | set(worker_adapter._dropped_retrieves)
-
-
 def group_windows(kv_cache_config: Any) -> list[int]:
     """Per vLLM KV cache group, the cross-chunk window LMCache 0.5.6 registers for it, in tokens.
 

@@ -32,9 +32,11 @@ def prompt(seed, length):
 
 
 def run_retrieve(harness, metadata, request_id, timeout_s=30.0, error_blocks=None):
-    """Hand the scheduler's metadata to the worker as one engine step would, and wait for the load's outcome (the
-    block ids the worker reports failed are added to ``error_blocks`` when given)."""
+    """Hand the scheduler's metadata to the worker as one engine step would, wait for the load's outcome (the
+    block ids the worker reports failed are added to ``error_blocks`` when given), and report it to the scheduler
+    side as vLLM does (``update_connector_output``)."""
     from vllm.forward_context import set_forward_context
+    from vllm.v1.outputs import KVConnectorOutput
 
     with set_forward_context(None, harness.vllm_config):
         harness.worker.bind_connector_metadata(metadata)
@@ -50,6 +52,7 @@ def run_retrieve(harness, metadata, request_id, timeout_s=30.0, error_blocks=Non
         if error_blocks is not None:
             error_blocks |= set(errors)
         time.sleep(0.01)
+    harness.scheduler.connector.update_connector_output(KVConnectorOutput(finished_recving=finished & {request_id}))
     return request_id in finished, request_id in failed
 
 

@@ -2,12 +2,7 @@
 
 import pytest
 
-from lmcache_r3.mp.stock_adapter import (
-    group_windows,
-    has_recurrent_group,
-    report_unsubmitted_retrieve_failed,
-    retrieves_in_flight,
-)
+from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
 from tests.support.harness import BLOCK_SIZE
 
 pytestmark = pytest.mark.harness
@@ -17,9 +12,7 @@ def test_a_refused_retrieve_is_reported_once_as_finished_and_failed(scheduler_ha
     harness = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
     adapter = harness.worker.worker_adapter
     report_unsubmitted_retrieve_failed(adapter, "R", [5, 6])
-    assert retrieves_in_flight(adapter) == {"R"}, "a retrieve to be reported is not seen as in flight"
     results = harness.worker.get_transfer_results(set())
-    assert retrieves_in_flight(adapter) == set()
     assert "R" in results.finished_recving
     assert harness.worker.get_block_ids_with_load_errors() == {5, 6}
     again = harness.worker.get_transfer_results(set())
