@@ -220,12 +220,17 @@ class MooncakeL2Adapter(TaskL2Adapter):
             self._forget_gone(page)
 
     def _forget_gone(self, names: list[str]) -> int:
-        """Report the ``names`` Mooncake says it no longer has as deleted (an error is not an answer); how many."""
+        """Report the ``names`` Mooncake says it no longer has as deleted (an error is not an answer); how many.
+
+        A name stored again while Mooncake was asked is kept (its entry is a new one).
+        """
+        with self._lock:
+            seen = {name: self._known.get(name) for name in names}
         gone = []
         for start in range(0, len(names), _PAGE):
             batch = names[start : start + _PAGE]
             gone += [name for name, code in zip(batch, self._store.exists(batch), strict=True) if code == 0]
-        vanished = self._unregister(gone)
+        vanished = self._unregister(gone, seen)
         self._count(self.VANISHED, vanished)
         return vanished
 

@@ -485,21 +485,28 @@ class TaskL2Adapter(L2AdapterInterface):
         new_keys, new_sizes = [], []
         with self._lock:
             for key, size, name in zip(keys, sizes, names, strict=True):
-                if name not in self._known:
-                    self._known[name] = (key, size)
+                known = name in self._known
+                self._known[name] = (key, size)  # a new entry each time: see _unregister's ``seen``
+                if not known:
                     new_keys.append(key)
                     new_sizes.append(size)
         if new_keys:
             self._notify_keys_stored(new_keys, new_sizes)
 
-    def _unregister(self, names: Iterable[Hashable]) -> int:
-        """Forget ``names``; the ones known are reported deleted. The number forgotten."""
+    def _unregister(self, names: Iterable[Hashable], seen: dict[Hashable, Any] | None = None) -> int:
+        """Forget ``names``; the ones known are reported deleted. The number forgotten.
+
+        ``seen``: the entries of ``_known`` when the caller found the names gone from the tier; a name stored (or
+        loaded) again since has a new entry and is kept.
+        """
         gone = []
         with self._lock:
             for name in names:
-                entry = self._known.pop(name, None)
-                if entry is not None:
-                    gone.append(entry)
+                entry = self._known.get(name)
+                if entry is None or (seen is not None and entry is not seen.get(name)):
+                    continue
+                del self._known[name]
+                gone.append(entry)
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
         return len(gone)

@@ -304,6 +304,30 @@ def test_objects_mooncake_evicts_on_its_own_leave_the_tiers_key_set_and_usage(ow
         tier.close()
 
 
+def test_a_key_stored_again_while_the_sweep_asks_mooncake_stays_known(adapter, mooncake_store, monkeypatch):
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    monkeypatch.setattr(adapter, "_sweep_every", 0)  # this test runs the sweep's check itself
+    payload = os.urandom(4096)
+    assert _store(adapter, 9, payload)
+    name = mooncake_key(_key(9), adapter._prefix)
+    assert mooncake_store.remove(name, True) == 0  # Mooncake evicted it on its own
+    asked = adapter._store.exists
+
+    def exists_then_stored_again(names):
+        codes = asked(names)
+        assert _store(adapter, 9, payload)  # a store lands between the sweep's query and its use of the answer
+        return codes
+
+    monkeypatch.setattr(adapter._store, "exists", exists_then_stored_again)
+    adapter._forget_gone([name])
+    monkeypatch.setattr(adapter._store, "exists", asked)
+    status = adapter.report_status()
+    assert status["objects"] == 1 and status["counters"]["vanished_objects"] == 0, "a stored key was forgotten"
+    into = CallerBuffer(bytes(len(payload)))
+    assert _load(adapter, 9, into) == 1 and into.data == payload
+
+
 def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
     r3_server_factory, own_cluster
 ):
