@@ -116,8 +116,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         url = self.server_url
-        well_formed = url is None or re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url)
-        if not well_formed or (url is not None and not 0 < int(url.rsplit(":", 1)[1]) < 65536):
+        if url is None:
+            return
+        if not re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", url) or not 0 < int(url.rsplit(":", 1)[1]) < 65536:
             raise ValueError(f"server_url {url!r} must look like tcp://127.0.0.1:5555 (a port in 1..65535)")
 
 

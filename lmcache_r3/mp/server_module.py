@@ -470,12 +470,16 @@ class _AbandonedPrefetches:
         self._stop.set()
 
     def _run(self) -> None:
+        """Poll the abandoned prefetches until none is left, then end (the next one abandoned starts a thread)."""
         while not self._stop.wait(self.POLL_S):
             with self._lock:
                 pending, self._pending = self._pending, []
             left = [item for item in pending if not self._ended(*item)]
             with self._lock:
                 self._pending = left + self._pending
+                if not self._pending:
+                    self._thread = None
+                    return
 
     def _ended(self, storage: Any, handle: Any, keys: list[ObjectKey], since: float) -> bool:
         """Release the locks of one abandoned prefetch if it ended; whether it is done with."""

@@ -328,17 +328,23 @@ def test_a_key_stored_again_while_the_sweep_asks_mooncake_stays_known(adapter, m
     assert _load(adapter, 9, into) == 1 and into.data == payload
 
 
+def stored_in_the_tier_only(server, r3: R3Client, seed: int) -> tuple[list[int], np.ndarray]:
+    """Once the server's tier is up, the tokens and rows of three R3 chunks stored through it, then cleared from L1."""
+    wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
+    tokens, rows = tokens_for(seed, 3 * CHUNK), rows_for(seed, 3 * CHUNK)
+    store_rows(r3, tokens, rows)
+    wait_for_stored(server, 3)
+    clear_l1(server)
+    return tokens, rows
+
+
 def test_a_stalled_master_never_makes_a_lookup_hang_and_the_tier_serves_again_when_it_resumes(
     r3_server_factory, own_cluster
 ):
     server = start(r3_server_factory, own_cluster, call_timeout_seconds=1.0)
     try:
-        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
-        tokens, rows = tokens_for(308, 3 * CHUNK), rows_for(308, 3 * CHUNK)
         with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
-            store_rows(r3, tokens, rows)
-            wait_for_stored(server, 3)
-            clear_l1(server)
+            tokens, rows = stored_in_the_tier_only(server, r3, 308)
             os.kill(own_cluster.master.pid, signal.SIGSTOP)  # the master hangs: calls neither answer nor fail
             try:
                 for _ in range(3):
@@ -363,21 +369,14 @@ def test_lookups_abandoned_while_the_tier_stalls_share_one_release_thread_and_le
     # read locks it then takes are released by one thread for every abandoned prefetch, not by a thread each.
     from lmcache_r3.mp.server_process import r3_server_module_spec
 
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in MOONCAKE_ENV.items():
-            env.setenv(name, value)
-        server = lmcache_server_factory(
-            chunk_size=CHUNK,
-            server_modules=(r3_server_module_spec("##r3", tier_timeout_s=0.5),),
-            l2_adapters=(mooncake_tier(own_cluster, call_timeout_seconds=30.0, task_timeout_seconds=30.0),),
-        )
+    def factory(**overrides):
+        module = r3_server_module_spec("##r3", tier_timeout_s=0.5)
+        return lmcache_server_factory(chunk_size=CHUNK, server_modules=(module,), **overrides)
+
+    server = start(factory, own_cluster, call_timeout_seconds=30.0, task_timeout_seconds=30.0)
     try:
-        wait_for(lambda: tier_status(server)["state"] == "up", 10, "connected to the master")
-        tokens, rows = tokens_for(309, 3 * CHUNK), rows_for(309, 3 * CHUNK)
         with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
-            store_rows(r3, tokens, rows)
-            wait_for_stored(server, 3)
-            clear_l1(server)
+            tokens, rows = stored_in_the_tier_only(server, r3, 309)
             threads = len(os.listdir(f"/proc/{server.process.pid}/task"))
             os.kill(own_cluster.master.pid, signal.SIGSTOP)  # the master hangs: the tier's calls wait
             try:
