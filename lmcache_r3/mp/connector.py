@@ -55,6 +55,7 @@ from lmcache_r3.mp.connector_config import (
     first_server_url,
     mirrored_group,
     refuse_lazy_offload,
+    refuse_r3_without_full_attention,
     resolve_extra_config,
     routed_experts_profile,
 )
@@ -64,6 +65,7 @@ from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.mp.sessions import SessionEnds
 from lmcache_r3.mp.stock_adapter import (
     defer_session_ends,
+    frees_blocks_mid_request,
     group_windows,
     has_recurrent_group,
     report_unsubmitted_retrieve_failed,
@@ -110,11 +112,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             vllm_config, bool(merged[ROUTED_EXPERTS_KEY]), say_why=role == KVConnectorRole.SCHEDULER
         )
         refuse_lazy_offload(merged, kv_cache_config, self.r3_profile is not None)
+        refuse_r3_without_full_attention(kv_cache_config, self.r3_profile is not None)
         super().__init__(vllm_config, role, kv_cache_config)
         self._kv_cache_config_for_r3 = kv_cache_config
         self.counters = Counters(*CONNECTOR_COUNTERS)
         self._group_windows = group_windows(kv_cache_config) or [-1] * len(self._group_tokens_per_block)
         self._recurrent = has_recurrent_group(kv_cache_config)
+        self._frees_blocks_mid_request = frees_blocks_mid_request(kv_cache_config)
         self._separate_object_groups = bool(merged[SEPARATE_GROUPS_KEY])
         # Scheduler-side state, keyed by request id.
         self._admissions: dict[str, planning.AdmittedRange] = {}
@@ -135,7 +139,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Requests finished while their load was out, whose finished_sending vLLM must never see (see
         update_connector_output)."""
         # Routed experts (R3).
-        self._r3_group = mirrored_group(kv_cache_config)
+        self._r3_group = mirrored_group(kv_cache_config) or 0  # None only without R3 (refused above)
         self._r3_block_size = self._group_tokens_per_block[self._r3_group] if self._group_tokens_per_block else 0
         self.routed: RoutedExpertsBook | None = None
         self.r3_capture: capture.RouterCapture | None = None
@@ -293,7 +297,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         # Retrieves refused on the scheduler side travel to the worker, which reports them as failed loads.
         metadata.failed_retrieves = self._failed_retrieves
         self._failed_retrieves = []
-        if self._recurrent:
+        if self._frees_blocks_mid_request:
             self._flush_before_block_reuse(scheduler_output, metadata)
         if self._orphaned_lookups:
             self._release_orphaned_lookups()

@@ -13,6 +13,7 @@ from lmcache_r3.config import (
     load_connector_config,
     stock_connector_extra_config,
 )
+from lmcache_r3.mp.stock_adapter import keeps_blocks_to_the_end
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ __all__ = [
     "first_server_url",
     "mirrored_group",
     "refuse_lazy_offload",
+    "refuse_r3_without_full_attention",
     "routed_experts_refusal",
     "resolve_extra_config",
     "routed_experts_profile",
@@ -178,14 +180,31 @@ def routed_experts_refusal(vllm_config: Any) -> str | None:
     return None
 
 
-def mirrored_group(kv_cache_config: Any) -> int:
-    """The KV cache group whose slots key the R3 slot mirror: the first full-attention group."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def mirrored_group(kv_cache_config: Any) -> int | None:
+    """The KV cache group whose slots key the R3 slot mirror: the first group vLLM keeps every block of until the
+    request ends (full attention); None when the model has none. Rows kept in the slots of a block vLLM frees while
+    the request runs (a window passed it) could be another request's by the time they are read."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    if not groups:
+        return 0
+    return next((i for i, group in enumerate(groups) if keeps_blocks_to_the_end(group.kv_cache_spec)), None)
 
-    for index, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ()):
-        if isinstance(group.kv_cache_spec, FullAttentionSpec):
-            return index
-    return 0
+
+def refuse_r3_without_full_attention(kv_cache_config: Any, routed_experts: bool) -> None:
+    """Refuse routed experts for a model without a full-attention KV cache group (see :func:`mirrored_group`).
+
+    Raises:
+        ValueError: routed experts are on and every group is windowed or recurrent.
+    """
+    if not routed_experts or mirrored_group(kv_cache_config) is not None:
+        return
+    kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in kv_cache_config.kv_cache_groups)
+    raise ValueError(
+        "lmcache_r3 keeps a request's routed experts in the slots of a full-attention KV cache group, and this "
+        f"model has none (its groups: {kinds}); vLLM frees windowed and recurrent blocks while a request runs, so "
+        'rows kept there could be another request\'s. Set "lmcache_r3.routed_experts": false in '
+        "kv_connector_extra_config to serve it with KV reuse only."
+    )
 
 
 def first_server_url(extra: dict[str, Any]) -> str:

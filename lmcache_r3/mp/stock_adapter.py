@@ -54,6 +54,25 @@ def has_recurrent_group(kv_cache_config: Any) -> bool:
     return any(isinstance(g.kv_cache_spec, MambaSpec) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ())
 
 
+def keeps_blocks_to_the_end(kv_cache_spec: Any) -> bool:
+    """Whether vLLM 0.32 keeps every block of a group of this spec until the request finishes (or is preempted).
+
+    Only full attention does. vLLM frees the blocks a sliding or chunked-local window has passed, the gap of an
+    R-SWA group and the retired checkpoints of an align-mode Mamba group as the request advances
+    (``v1/core/single_type_kv_cache_manager.py``, ``remove_skipped_blocks``), in the step that schedules it, and can
+    hand them out in that step. A spec type this does not know counts as freeing.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    return type(kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec)
+
+
+def frees_blocks_mid_request(kv_cache_config: Any) -> bool:
+    """Whether vLLM may free a running request's blocks, and hand them out again, before it finishes."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    return not all(keeps_blocks_to_the_end(group.kv_cache_spec) for group in groups)
+
+
 def defer_session_ends(scheduler_adapter: Any) -> SessionEnds:
     """Route the stock connector's session ends through a :class:`SessionEnds`, which ends them later.
 

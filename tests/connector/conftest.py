@@ -29,11 +29,16 @@ def tier_files(l2) -> list[str]:
     return [os.path.join(root, name) for root, _, names in os.walk(l2) for name in names]
 
 
-def files_holding_the_null_page(l2) -> list[str]:
-    """Stored objects (files of the fs tier) that contain a run of null-block sentinel bytes."""
+def files_holding(l2, run: bytes) -> list[str]:
+    """Stored objects (files of the fs tier) that contain ``run``."""
     found = []
     for path in tier_files(l2):
         with open(path, "rb") as file:
-            if SENTINEL_RUN in file.read():
+            if run in file.read():
                 found.append(path)
     return found
+
+
+def files_holding_the_null_page(l2) -> list[str]:
+    """Stored objects (files of the fs tier) that contain a run of null-block sentinel bytes."""
+    return files_holding(l2, SENTINEL_RUN)

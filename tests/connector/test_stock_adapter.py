@@ -2,8 +2,13 @@
 
 import pytest
 
-from lmcache_r3.mp.stock_adapter import group_windows, has_recurrent_group, report_unsubmitted_retrieve_failed
-from tests.support.harness import BLOCK_SIZE
+from lmcache_r3.mp.stock_adapter import (
+    frees_blocks_mid_request,
+    group_windows,
+    has_recurrent_group,
+    report_unsubmitted_retrieve_failed,
+)
+from tests.support.harness import BLOCK_SIZE, SLIDING_WINDOW
 
 pytestmark = pytest.mark.harness
 
@@ -26,6 +31,16 @@ def test_group_windows_follow_lmcache_registration(scheduler_harness_factory):
     dense = scheduler_harness_factory(kind="dense", connector_module="lmcache_r3.mp.connector")
     assert group_windows(dense.kv_cache_config) == [-1]
     assert not has_recurrent_group(dense.kv_cache_config)
+    sliding = scheduler_harness_factory(kind="sliding", connector_module="lmcache_r3.mp.connector")
+    assert group_windows(sliding.kv_cache_config) == [-1, SLIDING_WINDOW]
+    assert not has_recurrent_group(sliding.kv_cache_config)
+
+
+def test_only_full_attention_models_keep_every_block_of_a_running_request(scheduler_harness_factory):
+    """The flush before block reuse runs for every model whose groups vLLM frees in mid-request."""
+    for kind, frees in (("dense", False), ("hybrid", True), ("sliding", True)):
+        harness = scheduler_harness_factory(kind=kind, connector_module="lmcache_r3.mp.connector")
+        assert frees_blocks_mid_request(harness.kv_cache_config) is frees, kind
 
 
 def test_the_stock_connector_ends_a_finished_requests_session_through_the_deferred_hook(scheduler_harness_factory):

@@ -450,6 +450,51 @@ def test_lazy_offload_with_routed_experts_is_refused_naming_both_ways_out(schedu
     assert harness.scheduler.connector.routed is None  # KV-only lazy offload is LMCache's, unchanged
 
 
+@pytest.fixture
+def separate_groups_r3_server(r3_server_factory):
+    server = r3_server_factory(extra_args=("--separate-object-groups",))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sliding_r3_harness(separate_groups_r3_server, scheduler_harness_factory):
+    """A full-attention + sliding-window model (window 64) against its own R3 server with
+    ``--separate-object-groups``, which a windowed group needs to load from LMCache (the server is set up first, so
+    the harnesses are shut down before it stops)."""
+
+    def build(**overrides):
+        return scheduler_harness_factory(
+            server=separate_groups_r3_server, connector_module=CONNECTOR, routed_experts=True, kind="sliding",
+            extra_config={"lmcache_r3.separate_object_groups": True}, **overrides,
+        )  # fmt: skip
+
+    return build
+
+
+def test_a_sliding_window_model_returns_exact_rows_from_every_source_and_while_its_window_blocks_are_reused(
+    sliding_r3_harness,
+):
+    """vLLM frees the window group's blocks as the window passes them and hands them to other requests; the rows
+    are kept in the full-attention group's slots, so a cold run, an LMCache hit, vLLM's own hit and requests that
+    preempt each other in a small pool all return the router's rows."""
+    cold_then_lmcache_hit_then_prefix_cache_hit(sliding_r3_harness())
+    preempted_requests_return_exact_rows(sliding_r3_harness(num_blocks=20, max_num_batched_tokens=64))
+
+
+def test_routed_experts_on_a_model_without_a_full_attention_group_are_refused_naming_the_way_out(
+    scheduler_harness_factory, r3_server
+):
+    """The rows are kept in the slots of a group vLLM never frees mid-request; a model with only windowed groups has
+    none, so routed experts are a start-up error there, and KV reuse alone still runs."""
+    with pytest.raises(ValueError, match=r'full-attention.*SlidingWindowSpec.*"lmcache_r3\.routed_experts": false'):
+        scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=True, kind="windowed")
+    harness = scheduler_harness_factory(
+        server=r3_server, connector_module=CONNECTOR, routed_experts=False, kind="windowed"
+    )
+    assert harness.scheduler.connector.routed is None
+
+
 def test_a_step_without_capture_gives_an_error_never_rows(r3_harness, caplog):
     """What the worker reports when the routers did not capture (e.g. torch.compile on CPU): no row is guessed."""
     from lmcache_r3.mp.capture import CaptureError

@@ -4,7 +4,9 @@ No model runs: the worker-side connector transfers real bytes between the KV ten
 server, and the harness plays the model runner (one sampled token per request once its prompt is computed).
 The KV tensors are allocated by vLLM's own ``get_kv_cache_config_from_groups`` + ``allocate_kv_cache``, so a
 *hybrid* config (FullAttention + ``MambaSpec(mamba_cache_mode="align")``) overlays both groups on the same
-bytes, as in a real engine, and its recurrent block tables contain the null block.
+bytes, as in a real engine, and its recurrent block tables contain the null block; so do the window group's tables
+of a *sliding* config (FullAttention + ``SlidingWindowSpec``, window :data:`SLIDING_WINDOW`), whose blocks vLLM frees
+as the window passes them.
 
 Block pages are addressed as bytes: page ``(layer, block)`` starts at ``offset + l * layer_stride + b *
 block_stride`` of the allocation the connector actually registered (LMCache's CPU lmcache_driven path moves
@@ -32,11 +34,15 @@ BLOCK_SIZE = 32
 STOCK_CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
 NULL_SENTINEL = 0xAB
 """Byte written into every page of block 0 (vLLM's null block) so that any write to it is visible."""
+SLIDING_WINDOW = 2 * BLOCK_SIZE
+"""The window of the *sliding* config's window group, in tokens."""
 
 
 @dataclass(frozen=True)
 class HarnessConfig:
-    kind: Literal["dense", "hybrid"] = "dense"
+    kind: Literal["dense", "hybrid", "sliding", "windowed"] = "dense"
+    """dense: one full-attention group; hybrid: + align-mode Mamba; sliding: + a sliding window; windowed: one
+    sliding-window group only."""
     connector_module: str = STOCK_CONNECTOR_MODULE
     connector_name: str = "LMCacheMPConnector"
     transfer_mode: Literal["lmcache_driven", "engine_driven"] = "lmcache_driven"
@@ -123,6 +129,14 @@ def mamba_spec():
     )
 
 
+def sliding_window_spec():
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=SLIDING_WINDOW
+    )
+
+
 def make_vllm_config(model_dir: Path, server_url_host: str, server_port: int, config: HarnessConfig):
     from vllm.config import (
         CacheConfig,
@@ -187,10 +201,13 @@ def make_groups(config: HarnessConfig):
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
     n = config.num_attention_layers
-    if config.kind == "dense":
+    if config.kind in ("dense", "windowed"):
         names = [f"model.layers.{i}.self_attn.attn" for i in range(n)]
-        return [KVCacheGroupSpec(names, attention_spec())]
+        return [KVCacheGroupSpec(names, attention_spec() if config.kind == "dense" else sliding_window_spec())]
     attention = [f"model.layers.{2 * i}.self_attn.attn" for i in range(n)]
+    if config.kind == "sliding":
+        windowed = [f"model.layers.{2 * i + 1}.self_attn.attn" for i in range(n)]
+        return [KVCacheGroupSpec(attention, attention_spec()), KVCacheGroupSpec(windowed, sliding_window_spec())]
     recurrent = [f"model.layers.{2 * i + 1}.linear_attn" for i in range(n)]
     return [KVCacheGroupSpec(attention, attention_spec()), KVCacheGroupSpec(recurrent, mamba_spec())]
 
@@ -360,6 +377,10 @@ class SchedulerHarness:
 
     def recurrent_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
         return self._layer_bytes(self.recurrent_layers(), blocks)
+
+    def group_bytes(self, group: int, blocks: Sequence[int]) -> dict[str, bytes]:
+        """Per layer of KV cache group ``group``, the bytes of ``blocks``' pages, concatenated in order."""
+        return self._layer_bytes(self.kv_cache_config.kv_cache_groups[group].layer_names, blocks)
 
     def attention_bytes(self, blocks: Sequence[int]) -> dict[str, bytes]:
         return self._layer_bytes(self.attention_layers(), blocks)
