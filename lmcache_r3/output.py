@@ -52,9 +52,22 @@ def encode_routed_experts(rows: np.ndarray) -> str:
 
 
 def decode_routed_experts(encoded: str | bytes) -> np.ndarray:
-    """The array :func:`encode_routed_experts` encoded (``allow_pickle`` stays off)."""
-    raw = base64.b64decode(encoded)
-    return np.load(io.BytesIO(raw), allow_pickle=False)
+    """The array :func:`encode_routed_experts` encoded (``allow_pickle`` stays off).
+
+    Raises:
+        RoutedExpertsUnavailable: ``encoded`` is not strict base64 of an ``np.save`` of ``[n, num_layers, top_k]``
+            uint8 / uint16 rows (damaged in transit, or not routed experts at all).
+    """
+    try:
+        rows = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, EOFError, OSError) as err:  # binascii.Error is a ValueError
+        raise RoutedExpertsUnavailable(f"the routed experts do not decode ({err}): the response was damaged") from err
+    if not isinstance(rows, np.ndarray) or rows.ndim != 3 or rows.dtype not in (np.uint8, np.uint16):
+        raise RoutedExpertsUnavailable(
+            "the routed experts are not [num_tokens - 1, num_layers, top_k] uint8 / uint16 rows (got "
+            f"{getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}): the response was damaged"
+        )
+    return rows
 
 
 def token_fingerprint(token_ids: Sequence[int]) -> str:
@@ -170,4 +183,10 @@ def _checked(params: dict[str, Any], token_ids: list[int], index: str | None) ->
             "prompts: send one prompt per request (n > 1 is fine), and pass the prompt's token ids followed by the "
             "choice's output token ids"
         )
-    return decode_routed_experts(encoded)
+    rows = decode_routed_experts(encoded)
+    if rows.shape[0] != len(token_ids) - 1:
+        raise RoutedExpertsUnavailable(
+            f"the routed experts hold {rows.shape[0]} rows for {len(token_ids)} tokens (one row per token but the "
+            "last is expected): the response was damaged"
+        )
+    return rows

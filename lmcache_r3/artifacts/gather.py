@@ -39,7 +39,7 @@ def narrow_rows(rows: np.ndarray, profile: R3Profile) -> np.ndarray:
         profile: the row profile.
 
     Returns:
-        A new array in ``profile.dtype``; the input itself when it is already in that dtype.
+        A new array in ``profile.dtype``; the input itself (checked) when it is already in that dtype.
 
     Raises:
         GatherNarrowError: wrong shape, non-integer dtype, or an id outside ``[0, num_experts)``.
@@ -48,9 +48,8 @@ def narrow_rows(rows: np.ndarray, profile: R3Profile) -> np.ndarray:
         raise GatherNarrowError(
             f"rows must be integers of shape [n, {profile.num_layers}, {profile.top_k}], got {rows.dtype} {rows.shape}"
         )
-    if rows.dtype == profile.dtype:
-        return rows
-    # One pass checks both bounds: a negative id read as unsigned is larger than any expert count.
+    # One pass checks both bounds: a negative id read as unsigned is larger than any expert count. Rows already in
+    # the profile dtype are checked too (uint8 holds ids up to 255 whatever the expert count).
     unsigned = rows.view(_UNSIGNED[rows.dtype.itemsize]) if rows.dtype.kind == "i" else rows
     if rows.size and int(unsigned.max()) >= profile.num_experts:
         low, high = int(rows.min()), int(rows.max())
@@ -60,7 +59,7 @@ def narrow_rows(rows: np.ndarray, profile: R3Profile) -> np.ndarray:
                 f"0..{profile.num_experts - 1}); set num_experts to the router's id range (physical experts "
                 f"when EPLB redundant experts are captured)"
             )
-    return rows.astype(profile.dtype)
+    return rows if rows.dtype == profile.dtype else rows.astype(profile.dtype)
 
 
 def _check_index(row_index: np.ndarray, num_captured_rows: int) -> None:

@@ -87,10 +87,11 @@ class SlotMirror:
         The arrays are kept, not copied: the caller must not change them afterwards.
 
         Raises:
-            SlotMirrorError: as :meth:`write`; a slot id past the pool is refused when the queue is applied (by the
-                next write, read or forget), with every queued row.
+            SlotMirrorError: as :meth:`write`; nothing of a refused step is queued, and the steps queued before it
+                stay queued.
         """
         slots = self._checked(slot_ids, rows)
+        self._check_pool(slots)
         self._queued.append((slots, rows))
         self._queued_rows += slots.shape[0]
         if self._queued_rows >= self.max_queued_rows:
@@ -110,8 +111,7 @@ class SlotMirror:
             _, last_from_end = np.unique(slots[::-1], return_index=True)
             newest = slots.shape[0] - 1 - last_from_end
             slots, rows = slots[newest], rows[newest]
-        self._check_pool(slots)
-        self._scatter(slots, rows)
+        self._scatter(slots, rows)  # every queued step's slots were checked by queue()
 
     def _checked(self, slot_ids: np.ndarray | Sequence[int], rows: np.ndarray) -> np.ndarray:
         slots = np.asarray(slot_ids)

@@ -465,11 +465,17 @@ class RoutedExpertsBook:
         if meta.capture_error:
             logger.error("lmcache_r3: routed experts not captured: %s", meta.capture_error)
             self._refuse_step(step, f"the routing of engine step {step} was not captured")
+        elif meta.rows is not None and meta.rows.shape[0]:
+            try:
+                self.mirror.queue(meta.slots, meta.rows)  # applied before anything reads or forgets a slot
+            except SlotMirrorError as error:  # slots this mirror does not have: never guess where the rows go
+                logger.error("lmcache_r3: the routed experts of engine step %s were refused: %s", step, error)
+                self._refuse_step(step, f"the routing of engine step {step} was refused: {error}")
+            else:
+                self._in_flight.pop(step, None)
+                self.counters.add("rows_computed", meta.rows.shape[0])
         else:
             self._in_flight.pop(step, None)
-            if meta.rows is not None and meta.rows.shape[0]:
-                self.mirror.queue(meta.slots, meta.rows)  # applied before anything reads or forgets a slot
-                self.counters.add("rows_computed", meta.rows.shape[0])
         if self._in_flight and min(self._in_flight) < step:  # steps still unreported are lost (they come in order)
             for lost in [earlier for earlier in self._in_flight if earlier < step]:
                 self._refuse_step(lost, f"the routing of engine step {lost} never arrived from the worker")

@@ -144,6 +144,29 @@ def test_a_step_whose_rows_never_arrive_makes_the_output_an_error_never_rows(boo
         book.mirror.read(BLOCKS, 0, 1)
 
 
+def test_a_step_whose_rows_name_slots_past_the_mirror_makes_the_output_an_error_and_keeps_the_earlier_steps(book):
+    """Rows for slots the mirror does not have (a KV pool other than the engine's) are refused with their step, never
+    scattered elsewhere and never an exception into vLLM's scheduler; the step queued before them keeps its rows."""
+    kept = Request("kept", list(range(700, 700 + 20)))
+    kept_step = start_request(book, kept, 20)
+    kept.num_computed_tokens = 20
+    book.on_worker_output(worker_output(kept_step, 0, 20))  # queued, not yet applied
+    request = Request("past", list(range(800, 800 + 40)))
+    book.begin_lookup(request, 0)
+    book.end_lookup(request)
+    new = NewRequest("past", ([40, 41],))
+    step = book.on_schedule(SchedulerOutput({"past": 40}, [new]), group=0)
+    request.num_computed_tokens = 40
+    request.all_token_ids.append(7)
+    bad = R3WorkerMetadata(step=step, slots=np.arange(40) + 64 * BLOCK - 8, rows=rows(0, 40))  # 8 fit, 32 do not
+    book.on_worker_output(bad)
+    params = finish(book, request)
+    assert ROUTED_EXPERTS_KEY not in params
+    assert f"engine step {step} was refused" in params[ROUTED_EXPERTS_ERROR_KEY]
+    assert "past the pool" in params[ROUTED_EXPERTS_ERROR_KEY]
+    np.testing.assert_array_equal(book.mirror.read(BLOCKS, 0, 20), rows(0, 20))
+
+
 def test_finished_request_returns_every_position_from_the_mirror(book):
     request = Request("whole", list(range(500, 500 + 70)))
     step = start_request(book, request, 70)

@@ -64,6 +64,16 @@ def test_reference_refuses_row_indices_outside_the_capture_buffer(order):
         gather_narrow(captured_rows(profile, 3, seed=3), np.array(order), profile)
 
 
+@pytest.mark.parametrize(("dtype", "num_experts", "bad"), [(np.uint8, 100, 200), (np.uint16, 300, 65535)])
+def test_narrow_rows_refuses_an_id_past_the_experts_in_rows_already_in_the_profile_dtype(dtype, num_experts, bad):
+    profile = R3Profile(2, 2, num_experts)
+    rows = np.zeros((3, 2, 2), dtype)
+    assert narrow_rows(rows, profile) is rows  # already narrow and in range: no copy
+    rows[2, 1, 0] = bad
+    with pytest.raises(GatherNarrowError, match=f"{bad}] but the profile has {num_experts} experts"):
+        narrow_rows(rows, profile)
+
+
 def test_narrow_rows_refuses_the_wrong_row_shape():
     with pytest.raises(GatherNarrowError, match=r"shape \[n, 2, 2\]"):
         narrow_rows(np.zeros((1, 2, 3), np.int32), R3Profile(2, 2, 16))

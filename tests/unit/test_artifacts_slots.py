@@ -130,15 +130,18 @@ def test_queued_steps_apply_in_order_before_any_read_or_forget():
         mirror.read(table, 0, 1)
 
 
-def test_the_queue_is_applied_once_it_holds_max_queued_rows_and_refuses_a_slot_past_the_pool():
+def test_the_queue_is_applied_once_it_holds_max_queued_rows_and_refuses_a_step_with_a_slot_past_the_pool():
     mirror = SlotMirror(PROFILE, num_blocks=10, block_size=BLOCK)
     mirror.max_queued_rows = 16
     for step in range(4):
         mirror.queue(slots_of([2], range(4 * step, 4 * step + 4)), rows_for(4, seed=step))
     assert not mirror._queued  # 16 rows reached: applied
-    mirror.queue(np.array([160]), rows_for(1, seed=9))
+    mirror.queue(slots_of([3], range(0, 4)), rows_for(4, seed=8))
     with pytest.raises(SlotMirrorError, match="past the pool of 160 slots"):
-        mirror.read([2], 0, 16)
+        mirror.queue(np.array([5, 160]), rows_for(2, seed=9))  # refused as it arrives, whole
+    np.testing.assert_array_equal(mirror.read([3], 0, 4), rows_for(4, seed=8))  # the step queued before it stays
+    with pytest.raises(SlotMirrorError, match="no R3 row was written for position 5"):
+        mirror.read([0], 5, 6)  # slot 5 of the refused step was not written
 
 
 @settings(max_examples=100, deadline=None)

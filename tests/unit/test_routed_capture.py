@@ -250,6 +250,36 @@ def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
         routed_experts(_params(0))  # the params instead of the output
 
 
+def _damaged(how: str) -> dict:
+    """The params of completion 0 with their rows damaged ``how``, the fingerprint intact."""
+    params = _params(0)
+    encoded = params[ROUTED_EXPERTS_KEY]
+    if how == "a character not in base64":
+        params[ROUTED_EXPERTS_KEY] = encoded[:40] + "!" + encoded[41:]
+    elif how == "truncated":
+        params[ROUTED_EXPERTS_KEY] = encoded[: len(encoded) // 2 // 4 * 4]
+    elif how == "float rows":
+        params[ROUTED_EXPERTS_KEY] = encode_routed_experts(_rows(0).astype(np.float32))
+    elif how == "one row short":
+        params[ROUTED_EXPERTS_KEY] = encode_routed_experts(_rows(0)[:-1])
+    return params
+
+
+@pytest.mark.parametrize(
+    ("how", "refusal"),
+    [
+        ("a character not in base64", "do not decode"),
+        ("truncated", "do not decode"),
+        ("float rows", "uint8 / uint16"),
+        ("one row short", "4 rows for 6 tokens"),
+    ],
+)
+def test_damaged_routed_experts_are_refused_never_returned(how, refusal):
+    """A response altered on its way (a proxy, a truncated log line) never yields rows for the tokens it names."""
+    with pytest.raises(RoutedExpertsUnavailable, match=refusal):
+        routed_experts(_Output(_damaged(how)))
+
+
 def test_routed_experts_of_parallel_samples_are_each_completions_own():
     output = _Output(_params(0, 1), [_Completion(0), _Completion(1)])
     for index in (0, 1):
