@@ -115,6 +115,9 @@ _PARAMS = frozenset(
     }
 )
 _WORKERS = {"store": 2, "lookup": 1, "load": 2}
+TIDY_SECONDS = 60.0
+"""How often the watchdog clears what crashed writers and departed servers left on the root
+(:meth:`ShmObjectStore.tidy`)."""
 _NAMES_MAX = 1 << 16
 """Store keys of this many recent ``ObjectKey`` s are remembered (a key is named by every task that touches it)."""
 
@@ -216,6 +219,7 @@ class ShmL2Adapter(TaskL2Adapter):
         self._store_seen = self._store_removals()
         self._adopt_existing()
         self._next_sweep = time.monotonic() + self._sweep_interval
+        self._next_tidy = time.monotonic() + TIDY_SECONDS
         self._start_watchdog()
         used, _ = self._store.usage()
         logger.info(
@@ -375,6 +379,9 @@ class ShmL2Adapter(TaskL2Adapter):
         if self._store.ttl_seconds is not None and time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self._sweep_interval
             self._store.sweep_expired()
+        if time.monotonic() >= self._next_tidy:
+            self._next_tidy = time.monotonic() + TIDY_SECONDS
+            self._store.tidy()
         self._reconcile()
 
     def _reconcile(self) -> None:
@@ -383,10 +390,10 @@ class ShmL2Adapter(TaskL2Adapter):
         if seen == self._store_seen:
             return
         self._store_seen = seen
-        with self._lock:
-            known = list(self._known)
+        with self._lock:  # a key stored again while the store is asked has a new entry, and stays known
+            known = dict(self._known)
         gone = [encoded for encoded in known if not self._store.exists(encoded)]
-        self._count(self.VANISHED, self._unregister(gone))
+        self._count(self.VANISHED, self._unregister(gone, known))
 
     # -- status ------------------------------------------------------------------------------------------------------
     def _tier_status(self, counters: dict[str, int]) -> tuple[bool, dict[str, Any]]:

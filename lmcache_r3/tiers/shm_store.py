@@ -83,7 +83,8 @@ OBJECT_MODE = 0o600
 TEMP_PREFIX = ".tmp-"
 FREE_DIR = ".free"
 STALE_TEMP_SECONDS = 600.0
-"""A temp file older than this when a store opens is left over from a crashed writer and removed."""
+"""A temp file untouched this long is left over from a crashed writer and removed (when a store opens, and by
+:meth:`ShmObjectStore.tidy`); a free file no store has claimed this long is adopted by a tidying store."""
 
 _HEADER_BODY = struct.Struct("<4sHHQQ")
 _SHARD_NAMES = frozenset(f"{shard:02x}" for shard in range(256))
@@ -532,13 +533,22 @@ class ShmObjectStore:
             for name in names:
                 yield shard, name
 
+    def tidy(self) -> None:
+        """Clear what crashed writers and departed stores left on the root while this store runs: temp files untouched
+        for ``STALE_TEMP_SECONDS``, and free files that long unclaimed and unknown to this store (adopted within its
+        recycling budget, else removed). A store that opens does the same for every such file."""
+        self._remove_stale_temps()
+        self._adopt_free_files(min_age_seconds=STALE_TEMP_SECONDS)
+
     def _remove_stale_temps(self) -> None:
+        # ctime, not mtime: a free file claimed for a put keeps its old mtime until the put rewrites it, while the
+        # rename to its temp name sets its ctime.
         deadline = time.time() - STALE_TEMP_SECONDS
         with os.scandir(self.root) as entries:
             for entry in entries:
                 if entry.name.startswith(TEMP_PREFIX):
                     try:
-                        if entry.stat(follow_symlinks=False).st_mtime < deadline:
+                        if entry.stat(follow_symlinks=False).st_ctime < deadline:
                             os.unlink(entry.path)
                     except FileNotFoundError:
                         pass
@@ -566,7 +576,6 @@ class ShmObjectStore:
                     continue
                 self._used -= size
                 victims.append((key, size))
-            self._stats["evictions"] += len(victims)
             self._used += incoming
         try:
             return self._drop(free_files, victims, incoming, claim_as, claimed)
@@ -574,6 +583,10 @@ class ShmObjectStore:
             with self._lock:
                 self._used -= incoming
             raise
+        finally:
+            if victims:  # counted once their files are gone: a reconciliation that sees the count finds them gone
+                with self._lock:
+                    self._stats["evictions"] += len(victims)
 
     def _drop(self, free_files: list[str], victims: list[tuple[bytes, int]], incoming: int, claim_as: str,
               claimed: bool) -> bool:  # fmt: skip
@@ -645,9 +658,14 @@ class ShmObjectStore:
             self._pool_file(name, size, counted=True)
         return 1
 
-    def _adopt_free_files(self) -> None:
-        """Know the free files under the root (left by this or another store), within the budget; drop the rest."""
+    def _adopt_free_files(self, min_age_seconds: float | None = None) -> None:
+        """Know the free files under the root (left by this or another store), within the budget; drop the rest.
+
+        ``min_age_seconds``: only files that became free (their ctime) at least that long ago and that this store
+        does not know yet; younger ones may be another running store's.
+        """
         os.makedirs(self._free, mode=ROOT_MODE, exist_ok=True)
+        deadline = time.time() - (min_age_seconds or 0.0)
         with os.scandir(self._free) as entries:
             found = []
             for entry in entries:
@@ -655,6 +673,8 @@ class ShmObjectStore:
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
+                    continue
+                if min_age_seconds is not None and (info.st_ctime >= deadline or entry.name in self._pool):
                     continue
                 if stat.S_ISREG(info.st_mode) and size_text.isdigit() and int(size_text) == info.st_size:
                     found.append((info.st_mtime, entry.name, info.st_size))
@@ -741,11 +761,13 @@ class ShmObjectStore:
         opened = os.fstat(fd)
         try:
             current = os.stat(path)
-            raced = (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino)
+            raced = (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino) or self._intact_now(key, path)
         except FileNotFoundError:
             raced = True
         # A file no longer at its path was removed (and maybe rewritten) while we read it: a miss, not damage. Another
-        # store may also have replaced a corrupt file with a good one: remove only what we read.
+        # store may also have replaced a corrupt file with a good one: remove only what we read. The same file can be
+        # back at the path: removed into the free files, reused for a put of this key and published again while we
+        # read it; then it reads intact now, and is kept.
         if not raced:
             _unlink_quietly(path)
         with self._lock:
@@ -753,6 +775,21 @@ class ShmObjectStore:
             self._stats["misses"] += 1
         self._forget(key)
         return None
+
+    @staticmethod
+    def _intact_now(key: bytes, path: str) -> bool:
+        """Whether the object at ``path`` reads intact (or is gone) now; only after a read of it failed."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return True
+        try:
+            _read_payload(fd, key)
+            return True
+        except _Corrupt:
+            return False
+        finally:
+            os.close(fd)
 
 
 def _key_bytes(key: bytes) -> bytes:

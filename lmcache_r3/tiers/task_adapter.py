@@ -184,7 +184,7 @@ class TaskL2Adapter(L2AdapterInterface):
 
     @abstractmethod
     def _find(self, task: Task, keys: list[ObjectKey], names: list[Hashable]) -> Iterable[int]:
-        """Yield the index of each name the tier holds (each one is locked as it is yielded)."""
+        """Yield the index of each name the tier holds (every name is locked before it is asked for)."""
 
     @abstractmethod
     def _get(
@@ -352,22 +352,25 @@ class TaskL2Adapter(L2AdapterInterface):
 
     def _run_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
-        locked: list[Hashable] = []
+        names: list[Hashable] = []
+        found: set[int] = set()
         try:
             names = [self._name(key) for key in keys]
+            # Locked before the tier is asked: a delete (LMCache's eviction) between a key's check and its lock would
+            # remove a key this lookup reports locked. The keys the tier lacks are released below.
+            self._acquire(names)
             for i in self._find(task, keys, names):
-                with self._lock:  # at once: a delete that checks the locks after this skips the key
-                    self._locks[names[i]] = self._locks.get(names[i], 0) + 1
-                locked.append(names[i])
+                found.add(i)
                 bitmap.set(i)
         except BaseException:
             self._crashed(task)
         finally:
             with self._lock:
-                self._counters["lookup_hits"] += len(locked)
-                self._counters["lookup_misses"] += len(keys) - len(locked)
+                self._counters["lookup_hits"] += len(found)
+                self._counters["lookup_misses"] += len(keys) - len(found)
             if not self._finish(task, bitmap):
-                self._release(locked)  # the caller got an empty bitmap and will never unlock these
+                found.clear()  # the caller got an empty bitmap and will never unlock any
+            self._release([name for i, name in enumerate(names) if i not in found])
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -379,6 +382,11 @@ class TaskL2Adapter(L2AdapterInterface):
         except Exception:
             self._count("errors")
             logger.exception("%s: unlock failed", type(self).__name__)
+
+    def _acquire(self, names: list[Hashable]) -> None:
+        with self._lock:
+            for name in names:
+                self._locks[name] = self._locks.get(name, 0) + 1
 
     def _release(self, names: list[Hashable]) -> None:
         with self._lock:
@@ -402,8 +410,11 @@ class TaskL2Adapter(L2AdapterInterface):
         loaded_names: list[Hashable] = []
         loaded_sizes: list[int] = []
         vanished: list[Hashable] = []
+        seen: dict[Hashable, Any] = {}
         try:
             names = [self._name(key) for key in keys]
+            with self._lock:  # a key stored again while it is read has a new entry, and stays known
+                seen = {name: self._known.get(name) for name in names}
             for i, size in self._get(task, keys, names, objects):
                 if size is None:
                     vanished.append(names[i])
@@ -419,7 +430,7 @@ class TaskL2Adapter(L2AdapterInterface):
                 with self._lock:
                     self._counters["load_failures"] += len(keys) - len(loaded_keys)
                     self._counters["loaded_objects"] += len(loaded_keys)
-                self._count(self.VANISHED, self._unregister(vanished))
+                self._count(self.VANISHED, self._unregister(vanished, seen))
                 if loaded_keys:
                     self._register(loaded_keys, loaded_sizes, loaded_names)  # objects another server stored
                     self._notify_keys_accessed(loaded_keys)

@@ -476,3 +476,111 @@ def test_a_big_task_of_small_objects_is_copied_on_one_thread(shm_root, monkeypat
         assert len(set(threads)) == 1 and len(threads) == 30
     finally:
         tier.close()
+
+
+def _stored(tier, i: int, payload: bytes) -> bool:
+    task = tier.submit_store_task([_key(i)], [SizedBuffer(payload)])
+    return completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
+
+
+def _loaded(tier, i: int, size: int) -> bytes | None:
+    buffer = SizedBuffer(bytes(size))
+    task = tier.submit_load_task([_key(i)], [buffer])
+    return (
+        bytes(buffer.data)
+        if completed(tier.get_load_event_fd(), lambda: tier.query_load_result(task)).popcount()
+        else None
+    )
+
+
+@pytest.fixture
+def quiet_tier(shm_root, monkeypatch):
+    """A 1 MiB shm tier whose watchdog does no tier maintenance: the test runs each reconciliation itself."""
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20})
+    monkeypatch.setattr(tier, "_maintain_tier", lambda: None)
+    yield tier
+    tier.close()
+
+
+def test_an_eviction_between_a_keys_check_and_its_lock_leaves_the_key_locked_and_loadable(quiet_tier, monkeypatch):
+    tier = quiet_tier
+    assert _stored(tier, 1, b"k" * 1000)
+    real_exists = tier._store.exists
+
+    def evicted_right_after_the_check(name):
+        found = real_exists(name)
+        tier.delete([_key(1)])  # LMCache's eviction thread, after the check answered
+        return found
+
+    monkeypatch.setattr(tier._store, "exists", evicted_right_after_the_check)
+    lookup = tier.submit_lookup_and_lock_task([_key(1)], {})
+    assert completed(tier.get_lookup_and_lock_event_fd(), lambda: tier.query_lookup_and_lock_result(lookup)).popcount()
+    monkeypatch.setattr(tier._store, "exists", real_exists)
+    assert tier.report_status()["counters"]["delete_skipped_locked"] == 1
+    assert _loaded(tier, 1, 1000) == b"k" * 1000, "a key the lookup reported locked was deleted under the lock"
+    tier.submit_unlock([_key(1)])
+
+
+def test_a_key_stored_again_while_the_reconciliation_asks_the_store_stays_known(quiet_tier, monkeypatch):
+    tier = quiet_tier
+    big = 400 << 10
+    for i in (1, 2, 3):  # the third evicts the first (1 MiB)
+        assert _stored(tier, i, bytes([i]) * big)
+    evicted = tier._name(_key(1))
+    assert not tier._store.exists(evicted)
+    real_exists = tier._store.exists
+
+    def checked_then_stored_again(name):
+        found = real_exists(name)
+        if name == evicted and not found:
+            assert _stored(tier, 1, b"\x01" * big)  # a store lands between the check and its use
+        return found
+
+    monkeypatch.setattr(tier._store, "exists", checked_then_stored_again)
+    tier._reconcile()
+    monkeypatch.setattr(tier._store, "exists", real_exists)
+    assert evicted in tier._known, "a key stored again was reported deleted to LMCache"
+    assert _loaded(tier, 1, big) == b"\x01" * big
+
+
+def test_an_eviction_is_reported_to_lmcache_although_a_reconciliation_ran_while_its_files_were_removed(
+    quiet_tier, monkeypatch
+):
+    tier = quiet_tier
+    big = 400 << 10
+    assert _stored(tier, 1, b"\x01" * big) and _stored(tier, 2, b"\x02" * big)
+    real_drop = tier._store._drop
+
+    def reconciled_first(*args):
+        tier._reconcile()  # the watchdog, after the store chose its victims and before it removed them
+        return real_drop(*args)
+
+    monkeypatch.setattr(tier._store, "_drop", reconciled_first)
+    assert _stored(tier, 3, b"\x03" * big)  # evicts the first
+    monkeypatch.setattr(tier._store, "_drop", real_drop)
+    tier._reconcile()
+    assert tier._name(_key(1)) not in tier._known, "LMCache still counts an object the tier evicted"
+    assert tier.report_status()["counters"]["removed_by_store"] == 1
+
+
+def test_the_watchdog_tidies_the_root_so_a_departed_servers_free_files_are_reused(shm_root, monkeypatch):
+    from lmcache_r3.tiers import shm_store
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20})
+    try:
+        departed = shm_store.ShmObjectStore(tier._store.root, capacity_bytes=1 << 20)
+        departed.put(b"gone", b"g" * 5000)
+        departed.delete([b"gone"])
+        monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)
+        monkeypatch.setattr(tier, "_next_tidy", 0.0)
+        deadline = time.monotonic() + 5
+        while not tier._store.pooled_bytes() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tier._store.pooled_bytes(), "the watchdog never adopted the free file"
+        assert _stored(tier, 7, b"n" * 5000) and tier._store.stats()["recycled"] == 1
+        assert _loaded(tier, 7, 5000) == b"n" * 5000
+    finally:
+        tier.close()

@@ -256,6 +256,32 @@ def test_a_read_overtaken_by_a_removal_and_a_rewrite_is_a_miss_counted_as_raced(
     assert store.get(b"b") == value_of(b"b", 5000)
 
 
+def test_a_read_overtaken_by_a_rewrite_of_the_same_key_in_the_same_file_keeps_the_new_object(root, monkeypatch):
+    """Between the header and the payload of a read, the file goes to the free files, is reused for a put of the
+    same key (other bytes: routing is not deterministic) and is published again at the same path: the reader's miss
+    must not remove the new object."""
+    import lmcache_r3.tiers.shm_store as shm_store
+
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    store.put(b"a", value_of(b"a", 5000))
+    newer = value_of(b"z", 5000)
+    real_read = shm_store._read_bytes
+    inode = os.stat(object_path(root, b"a")).st_ino
+
+    def rewritten_while_reading(*args):
+        monkeypatch.setattr(shm_store, "_read_bytes", real_read)
+        other = ShmObjectStore(root, capacity_bytes=MiB)
+        other.delete([b"a"])
+        other.put(b"a", newer)
+        return real_read(*args)
+
+    monkeypatch.setattr(shm_store, "_read_bytes", rewritten_while_reading)
+    assert store.get(b"a") is None
+    assert os.stat(object_path(root, b"a")).st_ino == inode, "the scenario needs the same file back at the path"
+    assert store.stats()["raced"] == 1 and store.stats()["corrupt"] == 0
+    assert store.get(b"a") == newer
+
+
 class _FailedTask(CallerBuffers):
     """The buffers of a task that was already failed: every hold is refused."""
 
@@ -468,13 +494,16 @@ def test_without_a_ttl_nothing_expires(root):
     assert store.sweep_expired(now=time.time() + 1e9) == 0
 
 
-def test_a_new_store_on_the_same_root_serves_what_is_there(root):
+def test_a_new_store_on_the_same_root_serves_what_is_there(root, monkeypatch):
+    from lmcache_r3.tiers import shm_store
+
     first = ShmObjectStore(root, capacity_bytes=MiB)
     keys = [b"a", b"b", b"c"]
     for key in keys:
         first.put(key, value_of(key, 500))
     (root / ".tmp-1-2-dead").write_bytes(b"half-written")
-    os.utime(root / ".tmp-1-2-dead", (0, 0))
+    monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)  # a file's ctime cannot be set back
+    time.sleep(0.01)
 
     second = ShmObjectStore(root, capacity_bytes=MiB)
     assert second.usage() == first.usage() == (3 * (HEADER.size + 500), MiB)
@@ -666,3 +695,39 @@ def test_unwritten_keeps_what_a_partial_write_left_in_order(sizes, written, left
     rest = unwritten(views, written)
     assert [view.nbytes for view in rest] == left
     assert b"".join(bytes(view) for view in rest) == data[written:]
+
+
+def test_a_temp_file_with_an_old_mtime_but_just_renamed_is_not_a_crashed_writers_leftover(root):
+    """A free file claimed for a put is renamed to a temp name and keeps its old mtime until the put rewrites it."""
+    from lmcache_r3.tiers import shm_store
+
+    ShmObjectStore(root, capacity_bytes=MiB)
+    temp = root / f"{shm_store.TEMP_PREFIX}claimed"
+    temp.write_bytes(b"x" * 100)
+    old = time.time() - 2 * shm_store.STALE_TEMP_SECONDS
+    os.utime(temp, (old, old))
+    ShmObjectStore(root, capacity_bytes=MiB).tidy()
+    assert temp.exists()
+
+
+def test_tidy_clears_a_crashed_writers_temp_and_adopts_a_departed_stores_free_files(root, monkeypatch):
+    from lmcache_r3.tiers import shm_store
+
+    running = ShmObjectStore(root, capacity_bytes=MiB)
+    departed = ShmObjectStore(root, capacity_bytes=MiB)  # opened after: running knows nothing it frees
+    departed.put(b"a", value_of(b"a"))
+    departed.delete([b"a"])
+    (root / f"{shm_store.TEMP_PREFIX}crashed").write_bytes(b"x" * 100)
+    del departed
+    running.tidy()  # too young yet: a running store's
+    assert running.pooled_bytes() == 0 and (root / f"{shm_store.TEMP_PREFIX}crashed").exists()
+    monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)
+    time.sleep(0.01)
+    running.tidy()
+    assert not (root / f"{shm_store.TEMP_PREFIX}crashed").exists()
+    assert running.pooled_bytes() > 0
+    running.tidy()  # a file it knows is not adopted twice
+    pooled = running.pooled_bytes()
+    assert pooled == os.stat(next((root / ".free").iterdir())).st_size
+    assert running.put(b"b", value_of(b"b")) and running.stats()["recycled"] == 1
+    assert running.get(b"b") == value_of(b"b")
