@@ -13,7 +13,7 @@ from lmcache_r3.config import (
     load_connector_config,
     stock_connector_extra_config,
 )
-from lmcache_r3.mp.stock_adapter import keeps_blocks_to_the_end
+from lmcache_r3.mp.stock_adapter import group_kinds, keeps_blocks_to_the_end
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def mirrored_group(kv_cache_config: Any) -> int | None:
     groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
     if not groups:
         return 0
-    return next((i for i, group in enumerate(groups) if keeps_blocks_to_the_end(group.kv_cache_spec)), None)
+    return next((i for i, group in enumerate(groups) if keeps_blocks_to_the_end(group)), None)
 
 
 def refuse_r3_without_full_attention(kv_cache_config: Any, routed_experts: bool) -> None:
@@ -198,7 +198,7 @@ def refuse_r3_without_full_attention(kv_cache_config: Any, routed_experts: bool)
     """
     if not routed_experts or mirrored_group(kv_cache_config) is not None:
         return
-    kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in kv_cache_config.kv_cache_groups)
+    kinds = ", ".join(group_kinds(kv_cache_config))
     raise ValueError(
         "lmcache_r3 keeps a request's routed experts in the slots of a full-attention KV cache group, and this "
         f"model has none (its groups: {kinds}); vLLM frees windowed and recurrent blocks while a request runs, so "

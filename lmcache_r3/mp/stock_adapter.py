@@ -26,6 +26,24 @@ def report_unsubmitted_retrieve_failed(worker_adapter: Any, request_id: str, blo
     worker_adapter._dropped_retrieves.add(request_id)
 
 
+def _group_spec(group: Any) -> Any:
+    """A KV cache group's spec; for a group of layers of one type with different page sizes (vLLM 0.32's
+    ``UniformTypeKVCacheSpecs``, which the worker's config keeps and the scheduler's replaces), its first layer's."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    spec = group.kv_cache_spec
+    return spec.first_spec if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+def group_kinds(kv_cache_config: Any) -> list[str]:
+    """Per KV cache group, the name of its spec type (of its first layer's, for layers of one type)."""
+    return [type(_group_spec(group)).__name__ for group in _groups(kv_cache_config)]
+
+
+def _groups(kv_cache_config: Any) -> list[Any]:
+    return list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+
+
 def group_windows(kv_cache_config: Any) -> list[int]:
     """Per vLLM KV cache group, the cross-chunk window LMCache 0.5.6 registers for it, in tokens.
 
@@ -36,8 +54,8 @@ def group_windows(kv_cache_config: Any) -> list[int]:
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     windows = []
-    for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
-        spec = group.kv_cache_spec
+    for group in _groups(kv_cache_config):
+        spec = _group_spec(group)
         if isinstance(spec, SlidingWindowSpec):
             windows.append(int(spec.sliding_window))
         elif isinstance(spec, MambaSpec):
@@ -51,26 +69,32 @@ def has_recurrent_group(kv_cache_config: Any) -> bool:
     """Whether any KV cache group holds recurrent (Mamba / linear-attention) state."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return any(isinstance(g.kv_cache_spec, MambaSpec) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    return any(isinstance(_group_spec(g), MambaSpec) for g in _groups(kv_cache_config))
 
 
-def keeps_blocks_to_the_end(kv_cache_spec: Any) -> bool:
-    """Whether vLLM 0.32 keeps every block of a group of this spec until the request finishes (or is preempted).
+def keeps_blocks_to_the_end(group: Any) -> bool:
+    """Whether vLLM 0.32 keeps every block of a KV cache group until the request finishes (or is preempted).
 
-    Only full attention does. vLLM frees the blocks a sliding or chunked-local window has passed, the gap of an
-    R-SWA group and the retired checkpoints of an align-mode Mamba group as the request advances
-    (``v1/core/single_type_kv_cache_manager.py``, ``remove_skipped_blocks``), in the step that schedules it, and can
-    hand them out in that step. A spec type this does not know counts as freeing.
+    Only full attention does (``FullAttentionManager``: full, MLA, sink and hidden-state caches). vLLM frees the
+    blocks a sliding or chunked-local window has passed, the gap of an R-SWA group and the retired checkpoints of an
+    align-mode Mamba group as the request advances (``v1/core/single_type_kv_cache_manager.py``,
+    ``remove_skipped_blocks``), in the step that schedules it, and can hand them out in that step. A spec type this
+    does not know counts as freeing.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+    )
 
-    return type(kv_cache_spec) in (FullAttentionSpec, MLAAttentionSpec)
+    keeps = (FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec, HiddenStateCacheSpec)
+    return type(_group_spec(group)) in keeps
 
 
 def frees_blocks_mid_request(kv_cache_config: Any) -> bool:
     """Whether vLLM may free a running request's blocks, and hand them out again, before it finishes."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
-    return not all(keeps_blocks_to_the_end(group.kv_cache_spec) for group in groups)
+    return not all(keeps_blocks_to_the_end(group) for group in _groups(kv_cache_config))
 
 
 def defer_session_ends(scheduler_adapter: Any) -> SessionEnds:

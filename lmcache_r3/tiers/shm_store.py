@@ -84,7 +84,8 @@ TEMP_PREFIX = ".tmp-"
 FREE_DIR = ".free"
 STALE_TEMP_SECONDS = 600.0
 """A temp file untouched this long is left over from a crashed writer and removed (when a store opens, and by
-:meth:`ShmObjectStore.tidy`); a free file no store has claimed this long is adopted by a tidying store."""
+:meth:`ShmObjectStore.tidy`); the free files of a process that is gone, free this long, are adopted by a tidying
+store."""
 
 _HEADER_BODY = struct.Struct("<4sHHQQ")
 _SHARD_NAMES = frozenset(f"{shard:02x}" for shard in range(256))
@@ -535,10 +536,10 @@ class ShmObjectStore:
 
     def tidy(self) -> None:
         """Clear what crashed writers and departed stores left on the root while this store runs: temp files untouched
-        for ``STALE_TEMP_SECONDS``, and free files that long unclaimed and unknown to this store (adopted within its
-        recycling budget, else removed). A store that opens does the same for every such file."""
+        for ``STALE_TEMP_SECONDS``, and the free files of stores whose process is gone, free that long (adopted within
+        this store's recycling budget; the rest are left to a store that opens, which adopts or removes every one)."""
         self._remove_stale_temps()
-        self._adopt_free_files(min_age_seconds=STALE_TEMP_SECONDS)
+        self._adopt_free_files(tidying=True)
 
     def _remove_stale_temps(self) -> None:
         # ctime, not mtime: a free file claimed for a put keeps its old mtime until the put rewrites it, while the
@@ -658,27 +659,27 @@ class ShmObjectStore:
             self._pool_file(name, size, counted=True)
         return 1
 
-    def _adopt_free_files(self, min_age_seconds: float | None = None) -> None:
+    def _adopt_free_files(self, tidying: bool = False) -> None:
         """Know the free files under the root (left by this or another store), within the budget; drop the rest.
 
-        ``min_age_seconds``: only files that became free (their ctime) at least that long ago and that this store
-        does not know yet; younger ones may be another running store's.
+        ``tidying``: only files of stores whose process is gone (the pid in the name), free for ``STALE_TEMP_SECONDS``
+        (their ctime) and unknown to this store; none is removed (another store may count it).
         """
         os.makedirs(self._free, mode=ROOT_MODE, exist_ok=True)
-        deadline = time.time() - (min_age_seconds or 0.0)
+        deadline = time.time() - STALE_TEMP_SECONDS
         with os.scandir(self._free) as entries:
             found = []
             for entry in entries:
-                size_text = entry.name.partition("-")[0]
+                size_text, _, rest = entry.name.partition("-")
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if min_age_seconds is not None and (info.st_ctime >= deadline or entry.name in self._pool):
+                if tidying and (entry.name in self._pool or info.st_ctime >= deadline or _alive(rest)):
                     continue
                 if stat.S_ISREG(info.st_mode) and size_text.isdigit() and int(size_text) == info.st_size:
                     found.append((info.st_mtime, entry.name, info.st_size))
-                else:
+                elif not tidying:
                     _unlink_quietly(entry.path)
         found.sort()
         dropped = []
@@ -686,7 +687,7 @@ class ShmObjectStore:
             for _, name, size in found:
                 if self._pool_has_room(size):
                     self._pool_file(name, size)
-                else:
+                elif not tidying:
                     dropped.append(name)
         for name in dropped:
             _unlink_quietly(os.path.join(self._free, name))
@@ -759,9 +760,13 @@ class ShmObjectStore:
 
     def _corrupt(self, key: bytes, path: str, fd: int) -> None:
         opened = os.fstat(fd)
+        raced = present = False
         try:
             current = os.stat(path)
-            raced = (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino) or self._intact_now(key, path)
+            if (current.st_dev, current.st_ino) != (opened.st_dev, opened.st_ino):
+                raced = True
+            else:
+                raced = present = self._intact_now(key, path)
         except FileNotFoundError:
             raced = True
         # A file no longer at its path was removed (and maybe rewritten) while we read it: a miss, not damage. Another
@@ -773,23 +778,42 @@ class ShmObjectStore:
         with self._lock:
             self._stats["raced" if raced else "corrupt"] += 1
             self._stats["misses"] += 1
-        self._forget(key)
+        if not present:
+            self._forget(key)
         return None
 
     @staticmethod
     def _intact_now(key: bytes, path: str) -> bool:
-        """Whether the object at ``path`` reads intact (or is gone) now; only after a read of it failed."""
+        """Whether the object at ``path`` reads intact now (or cannot be read at all: it is then not known to be
+        damaged, and stays); only after a read of it failed."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except OSError:
             return True
         try:
             _read_payload(fd, key)
             return True
         except _Corrupt:
             return False
+        except OSError:
+            return True
         finally:
             os.close(fd)
+
+
+def _alive(name_rest: str) -> bool:
+    """Whether the process named by a free or temp file name's ``<pid>-...`` still runs (in this pid namespace; a
+    name without a pid counts as alive, so its file is left alone)."""
+    pid_text = name_rest.partition("-")[0]
+    if not pid_text.isdigit():
+        return True
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _key_bytes(key: bytes) -> bytes:

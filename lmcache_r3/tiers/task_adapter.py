@@ -152,6 +152,8 @@ class TaskL2Adapter(L2AdapterInterface):
         self._pending: dict[int, Task] = {}
         self._results: dict[str, dict[int, Any]] = {kind: {} for kind in KINDS}
         self._locks: dict[Hashable, int] = {}
+        self._deleting: dict[Hashable, int] = {}
+        """Names a delete chose (unlocked) and is removing: a lookup meanwhile takes them for misses."""
         self._known: dict[Hashable, tuple[ObjectKey, int]] = {}
         self._counters = dict.fromkeys((*COUNTERS, self.VANISHED, *extra_counters), 0)
         self._last_stall = float("-inf")
@@ -358,10 +360,11 @@ class TaskL2Adapter(L2AdapterInterface):
             names = [self._name(key) for key in keys]
             # Locked before the tier is asked: a delete (LMCache's eviction) between a key's check and its lock would
             # remove a key this lookup reports locked. The keys the tier lacks are released below.
-            self._acquire(names)
+            doomed = self._acquire(names)
             for i in self._find(task, keys, names):
-                found.add(i)
-                bitmap.set(i)
+                if i not in doomed:
+                    found.add(i)
+                    bitmap.set(i)
         except BaseException:
             self._crashed(task)
         finally:
@@ -383,10 +386,12 @@ class TaskL2Adapter(L2AdapterInterface):
             self._count("errors")
             logger.exception("%s: unlock failed", type(self).__name__)
 
-    def _acquire(self, names: list[Hashable]) -> None:
+    def _acquire(self, names: list[Hashable]) -> set[int]:
+        """Lock ``names``; the indexes of those a delete is removing now (locked too, but to be taken for misses)."""
         with self._lock:
             for name in names:
                 self._locks[name] = self._locks.get(name, 0) + 1
+            return {i for i, name in enumerate(names) if name in self._deleting} if self._deleting else set()
 
     def _release(self, names: list[Hashable]) -> None:
         with self._lock:
@@ -450,7 +455,16 @@ class TaskL2Adapter(L2AdapterInterface):
             with self._lock:
                 targets = [name for name in names if self._locks.get(name, 0) <= 0]
                 self._counters["delete_skipped_locked"] += len(names) - len(targets)
-            gone = list(self._remove(targets))
+                for name in targets:  # a lookup from now until they are removed takes them for misses
+                    self._deleting[name] = self._deleting.get(name, 0) + 1
+            try:
+                gone = list(self._remove(targets))
+            finally:
+                with self._lock:
+                    for name in targets:
+                        count = self._deleting.pop(name)
+                        if count > 1:
+                            self._deleting[name] = count - 1
             self._count("deleted_objects", self._unregister(gone))
         except Exception:
             self._count("errors")

@@ -64,7 +64,9 @@ def test_blocks_the_window_passed_are_not_written_while_the_server_still_reads_t
     )
     written: list[list[int]] = []
     """Per step that computed A, the blocks it wrote."""
-    resume = threading.Timer(1.5, lambda: os.kill(server.pid, signal.SIGCONT))
+    # With the flush the decode waits for the stores, so only this timer resumes the server; without it the decode
+    # resumes the server itself once it wrote its bytes, and the server then copies them.
+    resume = threading.Timer(3.0, lambda: os.kill(server.pid, signal.SIGCONT))
 
     def forward(out) -> None:
         if "A" not in out.num_scheduled_tokens:
@@ -76,6 +78,7 @@ def test_blocks_the_window_passed_are_not_written_while_the_server_still_reads_t
             for layer in harness.pages.regions:
                 for block in blocks:
                     harness.pages.page(layer, block).fill_(LATE)
+            os.kill(server.pid, signal.SIGCONT)
         else:
             # The prompt's stores are submitted after this forward pass; the server copies none until resumed.
             os.kill(server.pid, signal.SIGSTOP)

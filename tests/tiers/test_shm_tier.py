@@ -19,6 +19,7 @@ from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for, wait_for_hit
 from tests.support.harness import wait_for
 from tests.support.l2_tasks import CallerBuffer, completed, object_key
+from tests.unit.test_shm_store import free_files_of_a_departed_process
 
 pytestmark = pytest.mark.server
 
@@ -574,6 +575,7 @@ def test_the_watchdog_tidies_the_root_so_a_departed_servers_free_files_are_reuse
         departed = shm_store.ShmObjectStore(tier._store.root, capacity_bytes=1 << 20)
         departed.put(b"gone", b"g" * 5000)
         departed.delete([b"gone"])
+        free_files_of_a_departed_process(tier._store.root)
         monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)
         monkeypatch.setattr(tier, "_next_tidy", 0.0)
         deadline = time.monotonic() + 5
@@ -584,3 +586,24 @@ def test_the_watchdog_tidies_the_root_so_a_departed_servers_free_files_are_reuse
         assert _loaded(tier, 7, 5000) == b"n" * 5000
     finally:
         tier.close()
+
+
+def test_a_lookup_while_an_eviction_removes_the_key_is_a_miss_never_a_locked_hit(quiet_tier, monkeypatch):
+    """LMCache's eviction thread chose the key (unlocked) and is removing it when a lookup locks and finds it."""
+    tier = quiet_tier
+    assert _stored(tier, 1, b"k" * 1000)
+    real_remove = tier._remove
+    answers = []
+
+    def lookup_meanwhile(names):
+        lookup = tier.submit_lookup_and_lock_task([_key(1)], {})
+        answers.append(
+            completed(tier.get_lookup_and_lock_event_fd(), lambda: tier.query_lookup_and_lock_result(lookup))
+        )
+        return real_remove(names)
+
+    monkeypatch.setattr(tier, "_remove", lookup_meanwhile)
+    tier.delete([_key(1)])
+    assert answers[0].popcount() == 0, "the lookup reported a key locked that the eviction then removed"
+    assert not tier._locks and not tier._deleting
+    assert _loaded(tier, 1, 1000) is None

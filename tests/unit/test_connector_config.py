@@ -126,3 +126,62 @@ def test_a_bad_routed_experts_switch_or_r3_timeout_is_refused_naming_the_key(key
         return
     with pytest.raises(ValueError, match=f"{key}.*{refusal}"):
         resolve_extra_config({key: value}, groups(1))
+
+
+def _spec(kind: str, head_size: int = 32):
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+
+    common = {"block_size": 32, "num_kv_heads": 2, "head_size": head_size, "dtype": torch.float32}
+    extra = {
+        "SlidingWindowSpec": {"sliding_window": 64},
+        "RSWASpec": {"rswa_window": 64},
+        "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64},
+    }
+    if kind == "MambaSpec":
+        return k.MambaSpec(block_size=32, shapes=((4, 256),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    return getattr(k, kind)(**common, **extra.get(kind, {}))
+
+
+def _config(*group_specs):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return SimpleNamespace(
+        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(group_specs)]
+    )
+
+
+def _uniform(kind: str):
+    """Layers of one type with different page sizes in one group, as vLLM's worker config keeps them."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    return UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={"a": _spec(kind, 32), "b": _spec(kind, 64)})
+
+
+@pytest.mark.parametrize(
+    ("groups", "mirrored", "frees"),
+    [
+        pytest.param(lambda: [_spec("FullAttentionSpec")], 0, False, id="dense"),
+        pytest.param(lambda: [_spec("MLAAttentionSpec")], 0, False, id="mla"),
+        pytest.param(lambda: [_spec("SinkFullAttentionSpec")], 0, False, id="sink-full-attention"),
+        pytest.param(lambda: [_uniform("FullAttentionSpec")], 0, False, id="uniform-full-attention"),
+        pytest.param(lambda: [_spec("SlidingWindowSpec"), _spec("FullAttentionSpec")], 1, True, id="window-first"),
+        pytest.param(lambda: [_spec("FullAttentionSpec"), _spec("MambaSpec")], 0, True, id="hybrid-mamba"),
+        pytest.param(lambda: [_spec("RSWASpec"), _spec("FullAttentionSpec")], 1, True, id="rswa-frees-its-gap"),
+        pytest.param(lambda: [_spec("ChunkedLocalAttentionSpec")], None, True, id="chunked-local-only"),
+        pytest.param(lambda: [_uniform("SlidingWindowSpec")], None, True, id="uniform-windows-only"),
+    ],
+)
+def test_the_r3_mirror_uses_the_first_group_vllm_never_frees_mid_request(groups, mirrored, frees):
+    from lmcache_r3.mp.connector_config import mirrored_group, refuse_r3_without_full_attention
+    from lmcache_r3.mp.stock_adapter import frees_blocks_mid_request
+
+    config = _config(*groups())
+    assert mirrored_group(config) == mirrored
+    assert frees_blocks_mid_request(config) is frees
+    refuse_r3_without_full_attention(config, routed_experts=False)  # KV reuse alone is always served
+    if mirrored is None:
+        with pytest.raises(ValueError, match=r'has none \(its groups: \w+Spec\).*"lmcache_r3\.routed_experts": false'):
+            refuse_r3_without_full_attention(config, routed_experts=True)
+    else:
+        refuse_r3_without_full_attention(config, routed_experts=True)

@@ -279,6 +279,7 @@ def test_a_read_overtaken_by_a_rewrite_of_the_same_key_in_the_same_file_keeps_th
     assert store.get(b"a") is None
     assert os.stat(object_path(root, b"a")).st_ino == inode, "the scenario needs the same file back at the path"
     assert store.stats()["raced"] == 1 and store.stats()["corrupt"] == 0
+    assert store.usage()[0] == HEADER.size + 5000, "the object there is no longer counted"
     assert store.get(b"a") == newer
 
 
@@ -710,24 +711,51 @@ def test_a_temp_file_with_an_old_mtime_but_just_renamed_is_not_a_crashed_writers
     assert temp.exists()
 
 
-def test_tidy_clears_a_crashed_writers_temp_and_adopts_a_departed_stores_free_files(root, monkeypatch):
+def free_files_of_a_departed_process(root) -> list[Path]:
+    """Rename every free file under ``root`` as if a store in a process that has exited had left it."""
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    renamed = []
+    for path in sorted((root / ".free").iterdir()):
+        size, _, rest = path.name.partition("-")
+        target = path.with_name(f"{size}-{exited.pid}-{rest.partition('-')[2]}")
+        path.rename(target)
+        renamed.append(target)
+    return renamed
+
+
+def test_tidy_clears_a_crashed_writers_temp_and_adopts_only_a_departed_stores_free_files(root, monkeypatch):
     from lmcache_r3.tiers import shm_store
 
     running = ShmObjectStore(root, capacity_bytes=MiB)
-    departed = ShmObjectStore(root, capacity_bytes=MiB)  # opened after: running knows nothing it frees
-    departed.put(b"a", value_of(b"a"))
-    departed.delete([b"a"])
+    other = ShmObjectStore(root, capacity_bytes=MiB)  # opened after: running knows nothing it frees
+    other.put(b"a", value_of(b"a"))
+    other.delete([b"a"])
     (root / f"{shm_store.TEMP_PREFIX}crashed").write_bytes(b"x" * 100)
-    del departed
-    running.tidy()  # too young yet: a running store's
+    running.tidy()  # too young yet
     assert running.pooled_bytes() == 0 and (root / f"{shm_store.TEMP_PREFIX}crashed").exists()
     monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)
     time.sleep(0.01)
     running.tidy()
     assert not (root / f"{shm_store.TEMP_PREFIX}crashed").exists()
-    assert running.pooled_bytes() > 0
+    assert running.pooled_bytes() == 0, "a free file of a running store (this process) was adopted"
+    (free,) = free_files_of_a_departed_process(root)
+    running.tidy()
     running.tidy()  # a file it knows is not adopted twice
-    pooled = running.pooled_bytes()
-    assert pooled == os.stat(next((root / ".free").iterdir())).st_size
+    assert running.pooled_bytes() == os.stat(free).st_size
     assert running.put(b"b", value_of(b"b")) and running.stats()["recycled"] == 1
     assert running.get(b"b") == value_of(b"b")
+
+
+def test_tidy_removes_no_free_file_it_has_no_room_for(root, monkeypatch):
+    from lmcache_r3.tiers import shm_store
+
+    running = ShmObjectStore(root, capacity_bytes=MiB, recycle_bytes=0)
+    other = ShmObjectStore(root, capacity_bytes=MiB)
+    other.put(b"a", value_of(b"a"))
+    other.delete([b"a"])
+    (free,) = free_files_of_a_departed_process(root)
+    monkeypatch.setattr(shm_store, "STALE_TEMP_SECONDS", 0.0)
+    time.sleep(0.01)
+    running.tidy()
+    assert running.pooled_bytes() == 0 and free.exists()  # another store may count it; one that opens decides
