@@ -585,6 +585,11 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
                         1e3 * self.r3_seconds / self.r3_steps)  # fmt: skip
         if self.routed is not None:
             self.routed.settle(2.0)  # R3 stores still batched or in flight reach the server before it goes
+            if self.routed.client is not None:
+                try:
+                    self.routed.client.close()
+                except Exception:
+                    logger.exception("lmcache_r3: closing the routed-experts client failed")
         super().shutdown()
 
     # ==============================================================================================

@@ -63,7 +63,10 @@ class R3Call(Generic[T]):
             remaining = min(remaining, timeout)
         if not self._future.wait(remaining):
             raise R3TimeoutError(f"{self.method}: no answer from the LMCache server within the bound")
-        response = self._future.result(0)
+        try:
+            response = self._future.result(0)
+        except Exception as err:  # e.g. zmq.Again: the queue to a dead server is full
+            raise R3ClientError(f"{self.method}: the request could not be sent to the LMCache server ({err})") from err
         if not response.success:
             raise R3ClientError(f"{self.method} refused by the server: {response.error}")
         self._decoded = protocol.decode(response.payload, self._response_type)
@@ -92,6 +95,10 @@ class R3Client:
         self._context = zmq.Context()
         # Unsent requests to a dead server are dropped on close instead of blocking the context's termination.
         self._context.setsockopt(zmq.LINGER, 0)
+        # LMCache sends every client's requests from one polling thread per process, its own KV traffic's too. A send
+        # that found the queue to a dead server full (the high-water mark) would block that thread for good; this one
+        # fails its call at once instead (an error the caller answers with recomputation).
+        self._context.setsockopt(zmq.SNDTIMEO, 0)
         self._client = RequestClientFactory.create(server_url, context=self._context)
 
     def _range(self, token_ids: Sequence[int], start: int, end: int | None, cache_salt: str) -> protocol.ChunkRange:

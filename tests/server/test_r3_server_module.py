@@ -357,6 +357,22 @@ def _header_token_start(path: str) -> int:
     return read_header(data[index:]).token_start
 
 
+def test_calls_piling_up_for_a_dead_server_never_stall_the_other_clients_of_the_process(r3_server):
+    """LMCache sends the requests of every client in a process from one polling thread. Past zmq's high-water mark
+    (1000 queued messages) a send to a dead server would block that thread, and with it every other client's
+    calls (LMCache's own KV traffic included): the calls to the dead server fail instead, the others go on."""
+    from lmcache_r3.launch import free_port
+
+    tokens = tokens_for(15, CHUNK)
+    with R3Client(f"tcp://127.0.0.1:{free_port()}", MODEL, PROFILE, timeout_s=30) as dead:
+        with R3Client(r3_server.url, MODEL, PROFILE, timeout_s=10) as live:
+            piled = [dead.lookup(tokens) for _ in range(1500)]
+            assert live.lookup(tokens).result().num_hit_chunks == 0, "the live server's call never came back"
+            for call in piled[1200:]:
+                with pytest.raises(R3ClientError, match="could not be sent to the LMCache server"):
+                    call.result(timeout=5)
+
+
 def test_a_dead_server_costs_the_caller_a_bounded_wait_and_a_clear_error():
     from lmcache_r3.launch import free_port
     from lmcache_r3.mp.r3_client import R3TimeoutError
