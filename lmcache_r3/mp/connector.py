@@ -65,6 +65,7 @@ from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.mp.sessions import SessionEnds
 from lmcache_r3.mp.stock_adapter import (
     defer_session_ends,
+    free_lookup_locks,
     frees_blocks_mid_request,
     group_windows,
     has_recurrent_group,
@@ -301,6 +302,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self._flush_before_block_reuse(scheduler_output, metadata)
         if self._orphaned_lookups:
             self._release_orphaned_lookups()
+        if self.session_ends is not None and self.session_ends.pending():
+            self.session_ends.poll()
         metadata.r3_step = None
         if self.routed is not None:
             started = time.perf_counter()
@@ -511,16 +514,11 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if any(new):
             tracker.append_block_ids(tuple(new), self._mamba_relocation_window)
 
-    def _free_locks(self, tracker: Any, locked: TokenRange) -> None:
-        if locked.end > locked.start:
-            self.scheduler_adapter.free_lookup_locks(
-                token_ids=tracker.get_token_ids(),
-                start=locked.start,
-                end=locked.end,
-                request_id=tracker.request_id,
-                cache_salt=tracker.cache_salt,
-                request_configs=tracker.request_configs,
-            )
+    def _free_locks(self, tracker: Any, locked: TokenRange) -> list[Any]:
+        """Release the lookup locks of ``locked``; the servers' answers to come."""
+        if locked.end <= locked.start:
+            return []
+        return free_lookup_locks(self.scheduler_adapter, tracker, locked.start, locked.end)
 
     def _release_unadmitted_lookup(self, request_id: str) -> None:
         """Release the locks of a finishing request's lookup that no retrieve will consume.
@@ -541,7 +539,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     def _release_finished_lookup(self, tracker: Any, held: int) -> None:
         if held:
-            self._free_locks(tracker, TokenRange(0, held))
+            answers = self._free_locks(tracker, TokenRange(0, held))
+            if self.session_ends is not None:  # its session ends after the server answered the release
+                self.session_ends.release_sent(tracker.request_id, answers)
             self.counters.add(
                 "locks_released_at_finish_chunks", held // self.scheduler_adapter.lmcache_tokens_per_chunk
             )

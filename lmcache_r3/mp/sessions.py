@@ -12,12 +12,19 @@ key another prompt looks up.
 :class:`SessionEnds` ends a finished request's session only once nothing of the request can reach the server any
 more: the worker reported its stores finished (vLLM's ``finished_sending``, reported for every finished request
 of a connector that stores, whose blocks it keeps until then), and a lookup still in flight at the finish has
-answered and been released.
+answered and been released, and the server has answered that release. (The server runs a release and a session
+end on different threads of its pool: an end that ran first would make the release find no lookup record, and the
+locks would wait for the read-lock TTL, the recreated session for the session TTL.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+RELEASE_WAIT_S = 10.0
+"""How long a finished request's session end waits for the server to answer the release of its lookup's locks."""
 
 
 class SessionEnds:
@@ -34,6 +41,11 @@ class SessionEnds:
         """Finished requests whose stores may still reach the server."""
         self._awaiting_lookup: set[str] = set()
         """Finished requests whose stores are done but whose lookup, still in flight at the finish, is not released."""
+        self._releases: dict[str, tuple[Sequence[Any], float]] = {}
+        """Per finished request whose lookup's locks were released: the server's answers to come (futures with
+        ``query()``), and until when the session end waits for them."""
+        self._awaiting_release: set[str] = set()
+        """Finished requests done with the server except for the answer to their release."""
 
     def finished(self, request_id: str) -> None:
         """vLLM finished the request (where LMCache 0.5.6 would end its session): wait for its stores."""
@@ -48,14 +60,36 @@ class SessionEnds:
             if held(request_id):
                 self._awaiting_lookup.add(request_id)
             else:
-                self._end_session(request_id)
+                self._end(request_id)
 
     def lookup_released(self, request_id: str) -> None:
         """The in-flight lookup of a finished request answered and its locks were released."""
         if request_id in self._awaiting_lookup:
             self._awaiting_lookup.discard(request_id)
-            self._end_session(request_id)
+            self._end(request_id)
+
+    def release_sent(self, request_id: str, answers: Sequence[Any], wait_s: float = RELEASE_WAIT_S) -> None:
+        """A finished request's lookup locks were released; its session ends once ``answers`` (futures with
+        ``query()``) are all done, or after ``wait_s`` (a dead server never answers)."""
+        if answers:
+            self._releases[request_id] = (answers, time.monotonic() + wait_s)
+
+    def poll(self) -> None:
+        """End the sessions whose releases the server has answered since (the connector calls this every step)."""
+        for request_id in list(self._awaiting_release):
+            self._awaiting_release.discard(request_id)
+            self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        release = self._releases.get(request_id)
+        if release is not None:
+            answers, deadline = release
+            if not all(answer.query() for answer in answers) and time.monotonic() < deadline:
+                self._awaiting_release.add(request_id)
+                return
+            del self._releases[request_id]
+        self._end_session(request_id)
 
     def pending(self) -> int:
         """Finished requests whose session has not ended yet."""
-        return len(self._awaiting_stores) + len(self._awaiting_lookup)
+        return len(self._awaiting_stores) + len(self._awaiting_lookup) + len(self._awaiting_release)

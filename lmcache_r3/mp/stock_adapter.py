@@ -44,6 +44,28 @@ def _groups(kv_cache_config: Any) -> list[Any]:
     return list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
 
 
+def free_lookup_locks(scheduler_adapter: Any, tracker: Any, start: int, end: int) -> list[Any]:
+    """Release the lookup locks of ``[start, end)`` of a request on every server; the servers' answers (futures).
+
+    LMCache 0.5.6's ``SchedulerAdapter.free_lookup_locks`` (``vllm_multi_process_adapter.py``) sends the same
+    requests and drops their futures; the session end of a finished request waits for them.
+    """
+    if not scheduler_adapter.is_healthy:
+        return []
+    key = scheduler_adapter._create_key(
+        tracker.get_token_ids(),
+        start=start,
+        end=end,
+        request_id=tracker.request_id,
+        cache_salt=tracker.cache_salt,
+        request_configs=tracker.request_configs,
+    ).no_worker_id_version()
+    return [
+        scheduler_adapter.req_clients[url].free_lookup_locks(key, scheduler_adapter.tp_size)
+        for url in scheduler_adapter._server_urls
+    ]
+
+
 def group_windows(kv_cache_config: Any) -> list[int]:
     """Per vLLM KV cache group, the cross-chunk window LMCache 0.5.6 registers for it, in tokens.
 

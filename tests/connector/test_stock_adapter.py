@@ -3,14 +3,28 @@
 import pytest
 
 from lmcache_r3.mp.stock_adapter import (
+    free_lookup_locks,
     frees_blocks_mid_request,
     group_windows,
     has_recurrent_group,
     report_unsubmitted_retrieve_failed,
 )
-from tests.support.harness import BLOCK_SIZE, SLIDING_WINDOW
+from tests.support.harness import BLOCK_SIZE, SLIDING_WINDOW, lookup, wait_locks
 
 pytestmark = pytest.mark.harness
+
+
+@pytest.fixture
+def own_server_factory(lmcache_server_factory, scheduler_harness_factory):
+    """``() -> (server, harness)``: a server of the test's own (it counts every lock) and a dense harness on it."""
+
+    def build():
+        server = lmcache_server_factory(chunk_size=64)
+        return server, scheduler_harness_factory(
+            server=server, kind="dense", connector_module="lmcache_r3.mp.connector"
+        )
+
+    yield build
 
 
 def test_a_refused_retrieve_is_reported_once_as_finished_and_failed(scheduler_harness_factory):
@@ -55,3 +69,21 @@ def test_the_stock_connector_ends_a_finished_requests_session_through_the_deferr
     assert connector.session_ends.pending() == 1, "the stock connector no longer ends sessions through the hook"
     connector.update_connector_output(KVConnectorOutput(finished_sending={"S"}))
     assert connector.session_ends.pending() == 0
+
+
+def test_the_release_of_lookup_locks_hands_back_the_servers_answers(own_server_factory):
+    """LMCache 0.5.6's release drops the server's answers; lmcache_r3's sends the same request and keeps them, so a
+    finished request's session ends after its locks are released, not before."""
+    server, harness = own_server_factory()
+    tokens = [10 + (7 * i) % 900 for i in range(3 * 64 + 5)]
+    harness.generate([("stored", tokens)], max_tokens=2)
+    harness.reset_prefix_cache()
+    connector = harness.scheduler.connector
+    request = harness.make_request("looked-up", tokens)
+    hit, _ = lookup(connector, request)
+    assert hit == 3 * 64 and wait_locks(server, 3) == 3
+    tracker = connector.request_trackers["looked-up"]
+    answers = free_lookup_locks(connector.scheduler_adapter, tracker, 0, hit)
+    assert len(answers) == 1 and answers[0].wait(5), "the server never answered the release"
+    assert wait_locks(server, 0) == 0
+    connector.scheduler_adapter.cleanup_lookup_result("looked-up")
