@@ -88,9 +88,11 @@ def _capturer_class() -> type:
 
         calls = 0
         host_buffer: np.ndarray | None = None
+        layers_seen: set[int] = set()
 
         def capture(self, layer_id: int, topk_ids: Any) -> None:
             self.calls += 1
+            self.layers_seen.add(layer_id)
             host = self.host_buffer
             if host is not None:
                 host[: topk_ids.shape[0], layer_id] = topk_ids.numpy()
@@ -112,6 +114,8 @@ class RouterCapture:
         )
         bind_routed_experts_capturer(torch.nn.ModuleList(runners), self.capturer)
         self.num_layers_bound = len(runners)
+        self.layer_ids = frozenset(int(runner.layer_id) for runner in runners)
+        """The MoE layers bound: each reports its routing in every step that runs tokens (unless a graph replays)."""
         buffer = self.capturer.device_buffer
         self._host_buffer = buffer.numpy() if buffer.device.type == "cpu" else None
         """On CPU, a numpy view of the capture buffer (same memory): read without a torch call per step."""
@@ -120,17 +124,25 @@ class RouterCapture:
 
     def begin_step(self) -> None:
         self.capturer.calls = 0
+        self.capturer.layers_seen = set()
 
     def step_rows(self, slot_mapping: Any) -> tuple[np.ndarray, Any]:
         """``(slot_mapping, capture buffer)`` of the step that just ran (row ``i`` of the buffer: token ``i``).
 
         Raises:
-            CaptureError: tokens ran but no router reported its choice (capture is not hooked in).
+            CaptureError: tokens ran but no router reported its choice (capture is not hooked in), or some MoE layers
+                reported none (their column would hold an earlier step's ids).
         """
-        if self.capturer.calls == 0 and not _graph_replayed():
+        if len(self.capturer.layers_seen) < len(self.layer_ids) and not _graph_replayed():
+            if self.capturer.calls == 0:
+                raise CaptureError(
+                    "a step ran tokens through the model but no MoE router reported its routing: capture is not "
+                    "hooked into the forward pass (on CPU this happens under torch.compile; use --enforce-eager)"
+                )
+            missing = sorted(self.layer_ids - self.capturer.layers_seen)
             raise CaptureError(
-                "a step ran tokens through the model but no MoE router reported its routing: capture is not "
-                "hooked into the forward pass (on CPU this happens under torch.compile; use --enforce-eager)"
+                f"MoE layers {missing} reported no routing in a step where the other layers did: their rows would "
+                "hold an earlier step's experts"
             )
         mapping = slot_mapping.cpu().numpy() if hasattr(slot_mapping, "cpu") else np.asarray(slot_mapping)
         if self._host_buffer is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from lmcache_r3.artifacts import GatherNarrowError, R3Profile
 from lmcache_r3.mp.capture import CaptureError, StepRowsError, narrow_step, require_eager_on_cpu
@@ -330,3 +331,36 @@ def test_worker_metadata_crosses_the_process_boundary_with_its_rows_and_receipts
     np.testing.assert_array_equal(got.rows, rows)
     failed = pickle.loads(pickle.dumps(R3WorkerMetadata(step=8, capture_error="no capture")))
     assert (failed.step, failed.rows, failed.slots, failed.capture_error) == (8, None, None, "no capture")
+
+
+class _Router(torch.nn.Module):
+    """A MoE router as vLLM binds it (a ``RoutedExpertsCaptureSource``): its layer id and the capture hook."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture_fn = None
+
+
+def test_a_step_where_a_moe_layer_reported_no_routing_is_an_error_never_stale_rows(vllm_config):
+    from vllm.forward_context import set_forward_context
+
+    from lmcache_r3.mp.capture import RouterCapture
+
+    routers = [_Router(0), _Router(1)]
+    capture = RouterCapture(vllm_config, routers)
+    ids = torch.tensor([[1, 5], [7, 0]], dtype=torch.int32)
+    slots = torch.tensor([3, 4])
+    with set_forward_context(None, vllm_config):
+        capture.begin_step()
+        for router in routers:
+            router.capture_fn(ids)
+        mapping, rows = capture.step_rows(slots)
+        assert mapping.tolist() == [3, 4] and rows[:2, 1].tolist() == ids.tolist()
+        capture.begin_step()
+        routers[0].capture_fn(ids)  # layer 1 skipped the hook: its column still holds the last step's ids
+        with pytest.raises(CaptureError, match=r"MoE layers \[1\] reported no routing"):
+            capture.step_rows(slots)
+        capture.begin_step()
+        with pytest.raises(CaptureError, match="no MoE router reported its routing"):
+            capture.step_rows(slots)
