@@ -302,8 +302,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             self._flush_before_block_reuse(scheduler_output, metadata)
         if self._orphaned_lookups:
             self._release_orphaned_lookups()
-        if self.session_ends is not None and self.session_ends.pending():
-            self.session_ends.poll()
+        if self.session_ends is not None:
+            self.session_ends.poll()  # no work unless a session end waits for the answer to a release
         metadata.r3_step = None
         if self.routed is not None:
             started = time.perf_counter()

@@ -184,9 +184,9 @@ def mirrored_group(kv_cache_config: Any) -> int | None:
     """The KV cache group whose slots key the R3 slot mirror: the first group vLLM keeps every block of until the
     request ends (full attention); None when the model has none. Rows kept in the slots of a block vLLM frees while
     the request runs (a window passed it) could be another request's by the time they are read."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
-    if not groups:
+    if not _num_kv_groups(kv_cache_config):
         return 0
+    groups = kv_cache_config.kv_cache_groups
     return next((i for i, group in enumerate(groups) if keeps_blocks_to_the_end(group)), None)
 
 
