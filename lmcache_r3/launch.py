@@ -90,11 +90,20 @@ def executable(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
+        provider = _PROVIDERS.get(name, "the package that provides it")
         raise ServiceStartError(
-            f"'{name}' is not installed in {Path(sys.executable).parent} or on PATH; run `make setup` "
-            "(it installs lmcache and mooncake-transfer-engine-non-cuda into .venv)"
+            f"'{name}' is not installed in {Path(sys.executable).parent} or on PATH: it comes with {provider}; "
+            "`make setup` installs it into .venv"
         )
     return found
+
+
+_PROVIDERS = {
+    "lmcache": "lmcache 0.5.6",
+    "lmcache-r3": "lmcache_r3 itself (pip install -e .)",
+    "mooncake_master": "mooncake-transfer-engine-non-cuda (the mooncake extra: EXTRAS=...,mooncake)",
+    "mooncake_client": "mooncake-transfer-engine-non-cuda (the mooncake extra: EXTRAS=...,mooncake)",
+}
 
 
 class ManagedProcess:
@@ -128,7 +137,27 @@ class ManagedProcess:
         return self.popen.pid
 
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        """Whether the process runs. One that exited stays unreaped (a zombie) until :meth:`stop`: while it is, no
+        new process can get its id, so :meth:`stop` can still signal its group without hitting someone else's."""
+        if self.popen.returncode is not None:
+            return False
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # reaped by a wait on ``self.popen`` elsewhere
+            return self.popen.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status as ``Popen.returncode`` gives it (``-N`` for signal N), or None while it runs."""
+        if self.popen.returncode is not None:
+            return self.popen.returncode
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return self.popen.poll()
+        if info is None:
+            return None
+        return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         try:
@@ -150,7 +179,7 @@ class ManagedProcess:
         while True:
             if not self.alive():
                 raise ServiceStartError(
-                    f"{self.name} (pid {self.pid}) exited with code {self.popen.returncode} before {what}.\n"
+                    f"{self.name} (pid {self.pid}) exited with code {self.exit_code} before {what}.\n"
                     f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{self.log_tail()}"
                 )
             try:
@@ -175,16 +204,17 @@ class ManagedProcess:
         if self._stopped:
             return self.popen.poll()
         self._stopped = True
+        reaped_before = self.popen.returncode is not None
         if self.alive():
             try:
                 os.kill(self.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_group(self.pid)
+            deadline = time.monotonic() + timeout_s
+            while self.alive() and time.monotonic() < deadline:  # waits without reaping (see alive)
+                time.sleep(0.02)
+        if not reaped_before:  # the leader, running or a zombie, still holds the group's id
+            _kill_group(self.pid)
         try:
             return self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -161,6 +161,8 @@ class Rollouts:
             elif time.monotonic() - stable_since >= settle_s:
                 return
             time.sleep(0.05)
+        raise RuntimeError(f"the LMCache server's object count was still changing after {timeout_s:.0f} s "
+                           f"(now {count}): its stores did not settle; see its log")  # fmt: skip
 
 
 def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int, max_tokens: int) -> DemoResult:
@@ -170,6 +172,7 @@ def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int
     requests: list[RequestResult] = []
     prompts_of: dict[str, list[int]] = {}
     rows_of: dict[str, np.ndarray] = {}
+    problems: list[str] = []
     started = time.monotonic()
     for turn in range(1, turns + 1):
         batch = {f"{conv}/turn{turn}": tokens for conv, tokens in history.items()}
@@ -185,21 +188,46 @@ def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int
             ))  # fmt: skip
             if isinstance(rows, np.ndarray):
                 rows_of[name] = rows
+            problems += accounting_problems(name, len(batch[name]) + len(tokens), sources, rows)
             # The next turn: this turn's prompt and answer, then the user's next message.
             history[conv] = batch[name] + tokens + words(16, seed=1000 * turn + len(history[conv]))
         rollouts.reset_caches(lmcache_too=False)  # the next turn's shared prefixes must come from LMCache
     # The reference: every request again, cold (vLLM's prefix cache reset and LMCache emptied before each).
     for result in requests:
         rollouts.reset_caches(lmcache_too=True)
+        left = rollouts.server.l1_counts()["total_object_count"]
         tokens, _, sources, rows = rollouts.generate({result.name: prompts_of[result.name]})[result.name]
         result.tokens_equal_cold = tokens == result.output_tokens
         result.r3_equals_cold = (
             isinstance(rows, np.ndarray) and result.name in rows_of and np.array_equal(rows, rows_of[result.name])
         )
-    demo = DemoResult(requests=requests, engine_start_s=0.0, seconds=time.monotonic() - started)
+        name, num_tokens = f"{result.name} (cold)", len(prompts_of[result.name]) + len(tokens)
+        problems += cold_problems(name, sources, left) + accounting_problems(name, num_tokens, sources, rows)
+    demo = DemoResult(requests=requests, engine_start_s=0.0, seconds=time.monotonic() - started, problems=problems)
     if demo.lmcache_tokens == 0:
         demo.problems.append("no request was served from LMCache: the demo did not exercise KV + R3 reuse")
     return demo
+
+
+def accounting_problems(name: str, num_tokens: int, sources: dict, rows: np.ndarray | str) -> list[str]:
+    """A request's rows must cover every token but the last, and its sources must add up to them."""
+    problems = []
+    if isinstance(rows, np.ndarray) and rows.shape[0] != num_tokens - 1:
+        problems.append(f"{name}: {rows.shape[0]} rows of routed experts for {num_tokens} tokens (expected tokens - 1)")
+    counted = sum(int(sources.get(key, 0)) for key in ("vllm_cached_tokens", "lmcache_tokens", "computed_tokens"))
+    if counted != num_tokens - 1:
+        problems.append(f"{name}: its sources count {counted} tokens, expected {num_tokens - 1} (tokens - 1)")
+    return problems
+
+
+def cold_problems(name: str, sources: dict, objects_left: int) -> list[str]:
+    """Why a reference run is not a cold computation of every token (then comparing with it proves nothing)."""
+    served = {key: int(sources.get(key, 0)) for key in ("lmcache_tokens", "vllm_cached_tokens")}
+    if not any(served.values()):
+        return []
+    why = f" (LMCache held {objects_left} locked objects after its L1 was cleared)" if objects_left else ""
+    return [f"{name}: served {served['lmcache_tokens']} tokens from LMCache and {served['vllm_cached_tokens']} from "
+            f"vLLM's cache{why}; a reference must compute every token"]  # fmt: skip
 
 
 def print_report(result: DemoResult) -> None:

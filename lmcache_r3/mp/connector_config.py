@@ -70,7 +70,7 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
             )
         merged[TRANSFER_MODE_KEY] = "lmcache_driven"
     # Whether the server runs with --separate-object-groups: said explicitly, or read from the same config file.
-    merged.setdefault(SEPARATE_GROUPS_KEY, "--separate-object-groups" in config.server.extra_args)
+    merged.setdefault(SEPARATE_GROUPS_KEY, config.server.separate_groups)
     merged.setdefault(ROUTED_EXPERTS_KEY, config.r3.enabled)
     merged.setdefault(R3_TIMEOUT_KEY, config.connector.r3_timeout_s)
     merged.setdefault(R3_STORE_BATCH_KEY, config.connector.r3_store_batch_steps)
@@ -82,6 +82,14 @@ def resolve_extra_config(extra_config: dict[str, Any], kv_cache_config: Any) -> 
         raise ValueError(
             f"{R3_TIMEOUT_KEY} must be a number of seconds > 0 (the bound on each R3 call to the LMCache server), "
             f"got {timeout_s!r}"
+        )
+    tier_bound_s = config.r3_tier_timeout_s
+    if merged[ROUTED_EXPERTS_KEY] and config.tiers and timeout_s <= tier_bound_s:
+        raise ValueError(
+            f"{R3_TIMEOUT_KEY} ({timeout_s}) must be above the server's bound on its tiers for one R3 read, "
+            f"{tier_bound_s:g} s (r3.tier_timeout_s, else 0.8 x connector.r3_timeout_s, of the config file the server "
+            "runs from): the connector would give up on R3 reads while a server thread, one of those KV lookups "
+            "need, still waits for the tiers. Raise it, or lower r3.tier_timeout_s in that file"
         )
     batch_steps = merged[R3_STORE_BATCH_KEY]
     if type(batch_steps) is not int or not 0 <= batch_steps <= MAX_R3_STORE_BATCH_STEPS:

@@ -29,6 +29,9 @@ class ServerSettings:
     http_port: int
     """HTTP port of ``/status``, ``/cache/clear`` and the metrics API."""
     host: str = LOOPBACK
+    """Address the request port binds to."""
+    http_host: str = LOOPBACK
+    """Address the HTTP port binds to (its API has no authentication)."""
     chunk_size: int = 256
     """Tokens per LMCache chunk; a multiple of the engine's block size."""
     l1_size_gb: float = 0.5
@@ -55,7 +58,7 @@ def server_argv(settings: ServerSettings, program: str | None = None) -> list[st
         "--port",
         str(settings.port),
         "--http-host",
-        settings.host,
+        settings.http_host,
         "--http-port",
         str(settings.http_port),
         "--chunk-size",
@@ -92,7 +95,7 @@ class LMCacheServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.settings.host}:{self.settings.http_port}"
+        return f"http://{self.settings.http_host}:{self.settings.http_port}"
 
     @property
     def pid(self) -> int:
@@ -192,6 +195,7 @@ def settings_from_config(config) -> ServerSettings:
         port=server.port,
         http_port=server.http_port,
         host=server.host,
+        http_host=server.http_host,
         chunk_size=server.chunk_size,
         l1_size_gb=server.l1_size_gb,
         eviction_policy=server.eviction_policy,

@@ -8,8 +8,9 @@
 
 becomes ``--l2-adapter '{"type": "plugin", "module_path": "lmcache_r3.tiers.shm_adapter", "class_name":
 "ShmL2Adapter", "adapter_params": {"root": ..., "capacity_bytes": ..., "ttl_seconds": ...}}'``. Every other key
-of the entry is an adapter parameter, except ``eviction`` (LMCache's per-adapter eviction policy), which stays
-beside ``type``. Stock LMCache adapter types (``fs``, ``resp``, ``plugin``, ...) pass through unchanged.
+of the entry is an adapter parameter, except the keys LMCache reads for any adapter (``eviction``,
+``affinity_tag``, ``shared``, ``persist_enabled``, ``serde``), which stay beside ``type``. Stock LMCache adapter
+types (``fs``, ``resp``, ``plugin``, ...) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ PLUGINS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 """Tier type -> (module, adapter class, required parameters)."""
 
-_BESIDE_TYPE = ("eviction",)
+_BESIDE_TYPE = ("eviction", "affinity_tag", "shared", "persist_enabled", "serde")
+"""Keys LMCache 0.5.6 reads beside ``type`` for every adapter (``L2AdapterConfigBase``), not adapter parameters."""
 
 
 def required_parameters(kind: str) -> tuple[str, ...]:

@@ -63,7 +63,7 @@ class ProcessRegistry:
     def log_sections(self, since: int = 0, max_bytes: int = 3000) -> list[tuple[str, str]]:
         sections = []
         for process in self.started[since:]:
-            state = "running" if process.alive() else f"exited {process.popen.returncode}"
+            state = "running" if process.alive() else f"exited {process.exit_code}"
             title = f"log of {process.name} (pid {process.pid}, {state}) {process.log_path}"
             sections.append((title, process.log_tail(max_bytes)))
         return sections

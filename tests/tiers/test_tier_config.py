@@ -63,6 +63,25 @@ def test_tier_entries_become_l2_adapter_specs(tier, spec):
     assert l2_adapter_spec(tier) == spec
 
 
+def test_the_keys_lmcache_reads_for_every_adapter_reach_it_beside_the_plugin_parameters():
+    """LMCache's own --l2-adapter parser sees affinity_tag, shared and persist_enabled of a shm tier; the adapter's
+    parameters hold only its own keys (the adapter refuses keys it does not know)."""
+    import argparse
+    import json
+
+    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
+
+    tier = {"type": "shm", "root": "/dev/shm/x", "capacity_bytes": 1 << 20, "shared": True,
+            "affinity_tag": "r3-host", "persist_enabled": False}  # fmt: skip
+    args = add_l2_adapters_args(argparse.ArgumentParser()).parse_args(
+        ["--l2-adapter", json.dumps(l2_adapter_spec(tier))]
+    )
+    (adapter,) = parse_args_to_l2_adapters_config(args).adapters
+    assert adapter.shared is True and adapter.affinity_tag == "r3-host"
+    assert adapter.persist_config.persist_enabled is False
+    assert adapter.adapter_params == {"root": "/dev/shm/x", "capacity_bytes": 1 << 20}
+
+
 @pytest.mark.parametrize("missing", ["root", "capacity_bytes"])
 def test_a_shm_tier_without_a_required_key_is_refused_with_its_name(missing):
     tier = {"type": "shm", "root": "/dev/shm/x", "capacity_bytes": 1 << 30}

@@ -65,6 +65,34 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
             id="tier-timeout-past-the-connectors",
         ),
         pytest.param([1, 2], "the top level must be a mapping, got list", id="top-level"),
+        pytest.param({"server": {"http_host": "::"}}, "http_host '::' is an IPv6 address", id="ipv6-http-host"),
+        pytest.param({"server": {"http_host": ""}}, "http_host is empty", id="empty-http-host"),
+        pytest.param(
+            {"server": {"extra_args": ["--port", "6000"]}},
+            "extra_args: '--port' sets what the port key sets; use the key",
+            id="extra-port",
+        ),
+        pytest.param(
+            {"server": {"extra_args": ["--chunk-size=128"]}},
+            "'--chunk-size=128' sets what the chunk_size key sets",
+            id="extra-flag-equals-value",
+        ),
+        pytest.param(
+            {"server": {"extra_args": ["--chunk", "128"]}}, "'--chunk' sets what the chunk_size key sets", id="abbrev"
+        ),
+        pytest.param(
+            {"server": {"extra_args": ["--transport", "grpc"]}},
+            "'--transport' sets what the connector.server_url (only tcp:// is served) key sets",
+            id="extra-transport",
+        ),
+        pytest.param(
+            {"server": {"extra_args": ["--http-host", "0.0.0.0"]}}, "what the http_host key sets", id="extra-http-host"
+        ),
+        pytest.param(
+            {"server": {"extra_args": ["--separate"]}},
+            "'--separate' abbreviates --separate-object-groups; spell the flag out",
+            id="abbreviated-separate-groups",
+        ),
     ],
 )
 def test_bad_documents_are_refused_with_the_key_and_the_rule(document, message):
@@ -114,3 +142,23 @@ def test_stock_connector_entries_come_from_the_file_and_explicit_entries_win():
     entries = stock_connector_extra_config(remote, {"lmcache.mp.mq_timeout": 3})
     assert entries["lmcache.mp.host"] == "tcp://10.1.2.3" and entries["lmcache.mp.port"] == 6200
     assert entries["lmcache.mp.mq_timeout"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "separate"),
+    [
+        ([], False),
+        (["--separate-object-groups"], True),
+        (["--no-separate-object-groups"], False),
+        (["--separate-object-groups", "--no-separate-object-groups"], False),  # argparse keeps the last
+        (["--no-separate-object-groups", "--session-ttl-seconds", "60", "--separate-object-groups"], True),
+    ],
+)
+def test_the_connector_reads_separate_object_groups_as_the_server_parses_it(extra_args, separate):
+    config = parse_config({"server": {"extra_args": extra_args}}, "deploy.yaml")
+    assert config.server.separate_groups is separate
+
+
+def test_flags_the_keys_do_not_set_pass_through():
+    args = ["--session-ttl-seconds", "60", "--hash-algorithm", "blake3", "--enable", "--null-block-id=0"]
+    assert parse_config({"server": {"extra_args": args}}).server.extra_args == args

@@ -128,6 +128,30 @@ def test_a_bad_routed_experts_switch_or_r3_timeout_is_refused_naming_the_key(key
         resolve_extra_config({key: value}, groups(1))
 
 
+@pytest.mark.parametrize(
+    ("file", "override", "refused"),
+    [
+        pytest.param("tiers: [{type: fs, base_path: /l2}]\n", 1.0, True, id="below-the-servers-tier-bound"),
+        pytest.param("tiers: [{type: fs, base_path: /l2}]\n", 4.0, True, id="equal-to-it"),
+        pytest.param("tiers: [{type: fs, base_path: /l2}]\n", 4.5, False, id="above-it"),
+        pytest.param("tiers: [{type: fs, base_path: /l2}]\nr3: {tier_timeout_s: 0.5}\n", 1.0, False, id="explicit"),
+        pytest.param("tiers: []\n", 1.0, False, id="no-tier-nothing-to-wait-for"),
+        pytest.param("tiers: [{type: fs, base_path: /l2}]\nr3: {enabled: false}\n", 1.0, False, id="r3-off"),
+    ],
+)
+def test_an_engines_r3_timeout_must_outlast_the_servers_wait_for_its_tiers(tmp_path, file, override, refused):
+    """The server waits for its tiers up to 0.8 x the file's connector.r3_timeout_s (5 s: 4 s) on one of its few
+    threads; an engine that gives up sooner leaves that thread waiting for nobody while KV lookups queue."""
+    path = tmp_path / "c.yaml"
+    path.write_text(file)
+    extra = {"lmcache_r3.config_file": str(path), R3_TIMEOUT_KEY: override}
+    if refused:
+        with pytest.raises(ValueError, match=rf"{R3_TIMEOUT_KEY} \({override}\) must be above .* 4 s"):
+            resolve_extra_config(extra, groups(1))
+    else:
+        assert resolve_extra_config(extra, groups(1))[R3_TIMEOUT_KEY] == override
+
+
 def _spec(kind: str, head_size: int = 32):
     import torch
     from vllm.v1 import kv_cache_interface as k

@@ -1,9 +1,12 @@
 """Managed processes: telemetry off, clear errors quoting the log, stop by pid ends the whole group."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +116,45 @@ def test_sigterm_to_a_launcher_still_stops_the_services_it_started(tmp_path):
     finally:
         launcher.kill()
     assert processes_with_marker(marker) == {}
+
+
+def test_a_process_that_died_on_its_own_keeps_its_id_until_stop_signals_its_group(tmp_path):
+    """A service that exits by itself is not reaped while a readiness check or a log section looks at it: its pid
+    stays taken (a zombie), so stop() may still signal its group, which cannot yet be someone else's."""
+    proc = ManagedProcess("short", [sys.executable, "-c", "raise SystemExit(7)"], tmp_path / "p.log")
+    deadline = time.monotonic() + 30
+    while proc.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not proc.alive() and proc.exit_code == 7
+    state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state == "Z", "the exited leader was reaped before stop(): its id could be handed to another process"
+    assert proc.stop(timeout_s=5) == 7
+    assert proc.popen.returncode == 7  # reaped now
+
+
+def test_exit_code_names_the_signal_that_ended_the_process(tmp_path):
+    proc = ManagedProcess("sleeper", ["sleep", "30"], tmp_path / "s.log")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(ServiceStartError, match=r"exited with code -9 before ready"):
+            proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+    finally:
+        assert proc.stop(timeout_s=5) == -9
+
+
+@pytest.mark.parametrize(
+    ("name", "provider"),
+    [
+        ("mooncake_master", "mooncake-transfer-engine-non-cuda (the mooncake extra"),
+        ("lmcache-r3", "lmcache_r3 itself (pip install -e .)"),
+        ("lmcache", "lmcache 0.5.6"),
+    ],
+)
+def test_a_missing_program_is_named_with_the_package_that_provides_it(monkeypatch, tmp_path, name, provider):
+    from lmcache_r3 import launch
+
+    monkeypatch.setattr(launch.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setattr(launch.shutil, "which", lambda _: None)
+    expected = rf"'{name}' is not installed in .*: it comes with {re.escape(provider)}"
+    with pytest.raises(ServiceStartError, match=expected):
+        launch.executable(name)

@@ -31,6 +31,12 @@ def flag_value(argv, flag):
             ServerSettings(port=1, http_port=2, transfer_mode="lmcache_driven"),
             {"--supported-transfer-mode": "lmcache_driven"},
         ),
+        (
+            # engines on other hosts reach the request port; the unauthenticated HTTP API stays on loopback
+            ServerSettings(port=1, http_port=2, host="10.0.0.5"),
+            {"--host": "10.0.0.5", "--http-host": "127.0.0.1"},
+        ),
+        (ServerSettings(port=1, http_port=2, http_host="10.0.0.6"), {"--host": "127.0.0.1", "--http-host": "10.0.0.6"}),
     ],
 )
 def test_settings_become_flags(settings, expected):
