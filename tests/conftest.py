@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,17 +39,42 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((title, text))
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker marks what it starts with a marker of its own: it checks its own processes at its end,
+    while the other workers' still run."""
+    global RUN_MARKER
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker and not RUN_MARKER.endswith(f"-{worker}"):
+        RUN_MARKER = f"{RUN_MARKER}-{worker}"
+        os.environ[RUN_MARKER_VAR] = RUN_MARKER
+
+
+_WORKER_LEFTOVERS: list[str] = []
+"""With pytest-xdist, on the controller: what each worker reported still running at its end."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKER_LEFTOVERS.extend(getattr(node, "workeroutput", {}).get("lmcache_r3_leftovers", ()))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if any process started by this session outlived it (after every fixture was torn down)."""
     if os.environ.get(RUN_MARKER_VAR) != RUN_MARKER:
         return
-    leftovers = processes_with_marker(RUN_MARKER)
-    if not leftovers:
-        return
-    lines = "\n".join(f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(leftovers.items()))
-    sys.stderr.write(f"\nERROR: {len(leftovers)} process(es) started by this test session still run:\n{lines}\n")
-    kill_pids(list(leftovers))
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is None and session.config.pluginmanager.has_plugin("dsession"):
+        leftovers = list(_WORKER_LEFTOVERS)  # the controller starts nothing; its workers checked theirs
+    else:
+        found = processes_with_marker(RUN_MARKER)
+        kill_pids(list(found))
+        leftovers = [f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(found.items())]
+        if workeroutput is not None:  # a worker: its controller fails the run
+            workeroutput["lmcache_r3_leftovers"] = leftovers
+    if leftovers:
+        lines = "\n".join(f"  {line}" for line in leftovers)
+        sys.stderr.write(f"\nERROR: {len(leftovers)} process(es) started by this test session still run:\n{lines}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # -- LMCache MP server -----------------------------------------------------------------------------------------
@@ -70,8 +96,8 @@ def lmcache_server_factory(tmp_path_factory) -> Iterator[Callable[..., object]]:
         return server
 
     yield factory
-    for server in started:
-        server.stop()
+    with ThreadPoolExecutor(max_workers=8) as pool:  # each takes a few seconds to shut down; together, not in turn
+        list(pool.map(lambda server: server.stop(), started))
 
 
 @pytest.fixture(scope="session")
