@@ -8,6 +8,7 @@ lmcache-r3 demo                                       the main job end to end on
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shlex
@@ -52,6 +53,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"lmcache-r3 inspect: {base}/status answered HTTP {err.code} {err.reason}: something answers there, "
               "but not an LMCache server's status (its log says why if it is one)", file=sys.stderr)  # fmt: skip
         return 1
+    except http.client.HTTPException as err:  # not HTTP at all, e.g. the server's ZMQ request port
+        print(f"lmcache-r3 inspect: {base}/status did not answer in HTTP ({type(err).__name__}): is this the "
+              "server's HTTP port (server.http_port), not its request port?", file=sys.stderr)  # fmt: skip
+        return 1
     except (urllib.error.URLError, OSError) as err:
         print(
             f"lmcache-r3 inspect: no LMCache server answers at {base}/status ({err}); is it running?", file=sys.stderr
@@ -60,6 +65,10 @@ def _inspect(args: argparse.Namespace) -> int:
     except ValueError as err:  # something else answered, not with JSON
         print(f"lmcache-r3 inspect: {base}/status did not answer with JSON ({err}): is this the server's HTTP port "
               "(server.http_port)?", file=sys.stderr)  # fmt: skip
+        return 1
+    if not isinstance(status, dict):
+        print(f"lmcache-r3 inspect: {base}/status answered JSON that is not an LMCache status (a "
+              f"{type(status).__name__}, not an object)", file=sys.stderr)  # fmt: skip
         return 1
     print(json.dumps(summarize_status(status), indent=2, sort_keys=True))
     return 0

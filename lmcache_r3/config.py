@@ -47,11 +47,12 @@ SEPARATE_GROUPS_FLAGS = ("--separate-object-groups", "--no-separate-object-group
 RESERVED_SERVER_FLAGS = {
     "--host": "host", "--port": "port", "--http-host": "http_host", "--http-port": "http_port",
     "--chunk-size": "chunk_size", "--l1-size-gb": "l1_size_gb", "--eviction-policy": "eviction_policy",
-    "--max-workers": "max_workers", "--supported-transfer-mode": "transfer_mode", "--server-module": "r3",
-    "--l2-adapter": "tiers", "--transport": "connector.server_url (only tcp:// is served)",
+    "--max-workers": "max_workers", "--supported-transfer-mode": "transfer_mode", "--l2-adapter": "tiers",
+    "--transport": "connector.server_url (only tcp:// is served)",
 }  # fmt: skip
 """``lmcache server`` flags lmcache_r3 sets from typed keys (the key to use instead): given again in ``extra_args``
-they would win on the server's command line while the connector and ``inspect`` still read the key."""
+they would win on the server's command line while the connector and ``inspect`` still read the key. (Another
+``--server-module`` is welcome: that flag adds a module next to the R3 one.)"""
 
 
 def extra_args_problem(extra_args: list[str]) -> str | None:
@@ -71,6 +72,8 @@ def extra_args_problem(extra_args: list[str]) -> str | None:
         for flag in SEPARATE_GROUPS_FLAGS:
             if flag.startswith(name) and name != flag:
                 return f"{arg!r} abbreviates {flag}; spell the flag out (the connector reads it from extra_args)"
+            if name == flag and name != arg:
+                return f"{arg!r}: {flag} takes no value (the server would refuse it at start)"
     return None
 
 

@@ -44,7 +44,7 @@ def pytest_configure(config):
     while the other workers' still run."""
     global RUN_MARKER
     worker = getattr(config, "workerinput", {}).get("workerid")
-    if worker and not RUN_MARKER.endswith(f"-{worker}"):
+    if worker:
         RUN_MARKER = f"{RUN_MARKER}-{worker}"
         os.environ[RUN_MARKER_VAR] = RUN_MARKER
 
@@ -64,7 +64,11 @@ def pytest_sessionfinish(session, exitstatus):
         return
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is None and session.config.pluginmanager.has_plugin("dsession"):
-        leftovers = list(_WORKER_LEFTOVERS)  # the controller starts nothing; its workers checked theirs
+        # The controller starts nothing. Its workers checked theirs; a worker that crashed reported nothing, so what
+        # any worker started (its marker extends this one) is looked for once more, now that all have ended.
+        found = processes_with_marker(RUN_MARKER, derived=True)
+        kill_pids(list(found))
+        leftovers = list(_WORKER_LEFTOVERS) + [f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(found.items())]
     else:
         found = processes_with_marker(RUN_MARKER)
         kill_pids(list(found))

@@ -148,7 +148,22 @@ class Rollouts:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
         if lmcache_too:
-            self.server.clear_l1()
+            self._clear_lmcache()
+
+    def _clear_lmcache(self, timeout_s: float = 10.0) -> None:
+        """Empty LMCache's L1. A clear keeps locked objects (a lookup's read locks are released a moment after its
+        request ends, a store's write locks once it commits), so it waits for the locks to go, and clears again
+        while objects are left. Whatever stays is reported by the cold run that could be served from it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            counts = self.server.l1_counts()
+            if not counts["read_locked_count"] and not counts["write_locked_count"]:
+                self.server.clear_l1()
+                if not self.server.l1_counts()["total_object_count"]:
+                    return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def _wait_for_stores(self, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
         """LMCache commits KV and R3 stores asynchronously: wait until the server's object count stops growing."""

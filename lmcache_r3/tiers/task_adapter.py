@@ -371,9 +371,11 @@ class TaskL2Adapter(L2AdapterInterface):
             with self._lock:
                 self._counters["lookup_hits"] += len(found)
                 self._counters["lookup_misses"] += len(keys) - len(found)
-            if not self._finish(task, bitmap):
-                found.clear()  # the caller got an empty bitmap and will never unlock any
+            # The misses are released before the answer is out: once LMCache reads it, the tier holds the locks it
+            # reports and no other.
             self._release([name for i, name in enumerate(names) if i not in found])
+            if not self._finish(task, bitmap):  # the caller got an empty bitmap and will never unlock any
+                self._release([name for i, name in enumerate(names) if i in found])
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:

@@ -21,8 +21,9 @@ def ensure_run_marker() -> str:
     return os.environ[RUN_MARKER_VAR]
 
 
-def processes_with_marker(marker: str, exclude: set[int] | None = None) -> dict[int, str]:
-    """Live (non-zombie) processes whose environment holds ``RUN_MARKER_VAR=marker``, as {pid: command line}."""
+def processes_with_marker(marker: str, exclude: set[int] | None = None, derived: bool = False) -> dict[int, str]:
+    """Live (non-zombie) processes whose environment holds ``RUN_MARKER_VAR=marker``, as {pid: command line}; with
+    ``derived``, those that hold a marker made from it instead (``marker-gw0``: a pytest-xdist worker's)."""
     needle = f"{RUN_MARKER_VAR}={marker}".encode()
     skip = {os.getpid()} | (exclude or set())
     found: dict[int, str] = {}
@@ -30,7 +31,11 @@ def processes_with_marker(marker: str, exclude: set[int] | None = None) -> dict[
         if not entry.name.isdigit() or int(entry.name) in skip:
             continue
         try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+            variables = (entry / "environ").read_bytes().split(b"\0")
+            if derived:
+                if not any(v.startswith(needle + b"-") for v in variables):
+                    continue
+            elif needle not in variables:
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             if state in ("Z", "X"):

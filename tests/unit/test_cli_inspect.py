@@ -37,6 +37,7 @@ def http_answering():
         (500, b"boom", 1, "/status answered HTTP 500 Internal Server Error: something answers there, but not"),
         (200, b"<html>a web page</html>", 1, "/status did not answer with JSON"),
         (200, b'{"is_healthy": true}', 0, None),
+        (200, b"[1, 2]", 1, "answered JSON that is not an LMCache status (a list, not an object)"),
     ],
 )
 def test_inspect_says_what_answered(http_answering, capsys, status, body, code, says):
@@ -60,3 +61,26 @@ def test_a_bad_config_file_stops_inspect_with_the_key(tmp_path, capsys):
     file.write_text("server: {extra_args: [--port, '6000']}\n")
     assert main(["inspect", "--config", str(file)]) == 2
     assert "server: extra_args: '--port' sets what the port key sets" in capsys.readouterr().err
+
+
+def test_inspect_pointed_at_a_port_that_does_not_speak_http_says_so(capsys):
+    """e.g. the server's ZMQ request port: it answers with bytes that are no HTTP status line."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer_in_zmtp():
+        conn, _ = listener.accept()
+        conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")  # a ZMTP greeting's first bytes
+        conn.recv(4096)
+        conn.close()
+
+    thread = threading.Thread(target=answer_in_zmtp, daemon=True)
+    thread.start()
+    try:
+        assert main(["inspect", "--url", f"http://127.0.0.1:{listener.getsockname()[1]}"]) == 1
+    finally:
+        listener.close()
+    assert "did not answer in HTTP" in capsys.readouterr().err

@@ -89,6 +89,11 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
             {"server": {"extra_args": ["--http-host", "0.0.0.0"]}}, "what the http_host key sets", id="extra-http-host"
         ),
         pytest.param(
+            {"server": {"extra_args": ["--separate-object-groups=true"]}},
+            "'--separate-object-groups=true': --separate-object-groups takes no value",
+            id="separate-groups-with-a-value",
+        ),
+        pytest.param(
             {"server": {"extra_args": ["--separate"]}},
             "'--separate' abbreviates --separate-object-groups; spell the flag out",
             id="abbreviated-separate-groups",
@@ -160,5 +165,14 @@ def test_the_connector_reads_separate_object_groups_as_the_server_parses_it(extr
 
 
 def test_flags_the_keys_do_not_set_pass_through():
-    args = ["--session-ttl-seconds", "60", "--hash-algorithm", "blake3", "--enable", "--null-block-id=0"]
+    args = [
+        "--session-ttl-seconds",
+        "60",
+        "--hash-algorithm",
+        "blake3",
+        "--enable",
+        "--null-block-id=0",
+        "--server-module",
+        '{"module_path": "my.module"}',
+    ]  # another module next to R3's
     assert parse_config({"server": {"extra_args": args}}).server.extra_args == args

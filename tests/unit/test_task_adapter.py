@@ -160,6 +160,25 @@ def test_store_lookup_and_load_serve_the_bytes_and_account_for_them(tier, memory
     assert (counters["loaded_objects"], counters["load_failures"], counters["errors"]) == (2, 0, 0)
 
 
+def test_when_a_lookup_answers_the_tier_holds_exactly_the_locks_it_reports(tier, memory, monkeypatch):
+    """The misses' locks are gone before the answer is signalled: LMCache may read the answer and the tier's status
+    (or evict) at once, and must never see a lock on a key the lookup reported missing."""
+    assert store(tier, [key(1), key(2)], [memory(b"a" * 64), memory(b"b" * 64)]).is_successful()
+    locked_when_signalled = []
+    signal = tier._signal
+
+    def watching(kind):
+        if kind == "lookup":
+            locked_when_signalled.append(tier.report_status()["locked_keys"])
+        signal(kind)
+
+    monkeypatch.setattr(tier, "_signal", watching)
+    assert lookup(tier, [key(1), key(3), key(2), key(4)]).popcount() == 2
+    assert locked_when_signalled == [2]
+    tier.submit_unlock([key(1), key(2)])
+    assert tier.report_status()["locked_keys"] == 0
+
+
 def test_a_throwing_tier_still_completes_every_task_as_failed_and_nothing_raises(tier, memory):
     assert store(tier, [key(1)], [memory(b"x" * 64)]).is_successful()
     tier.failing |= {"put", "find", "get", "remove"}
