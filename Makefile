@@ -46,9 +46,10 @@ system-libs:
 
 # The suite's tests mostly wait on the servers and engines they start: two at a time (pytest-xdist; a test file's
 # tests stay on one worker, which starts its own services) halve its time on two cores. TEST_WORKERS=0: one at a time.
+# Files go out in collection order, which puts the files that start vLLM engines first (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: setup system-libs
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not engine and not harness and not mooncake and not server" $(PYTEST_ARGS)

@@ -29,6 +29,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 RUN_MARKER = ensure_run_marker()
 
 
+# -- order -----------------------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """Test files that start vLLM engines first (each takes minutes): with pytest-xdist they then run side by side
+    from the start, and the short files fill the time around them instead of one engine file running last."""
+    engine_files = {item.path for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: item.path not in engine_files)  # stable: the order within each group is kept
+
+
 # -- failure reports and leftover processes ---------------------------------------------------------------------
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
