@@ -4,7 +4,7 @@ source, stores stop before the first null chunk, and a retrieve the blocks do no
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lmcache_r3.artifacts import TokenRange
@@ -494,7 +494,8 @@ def stock_written_blocks(tokens, skip, chunk, tokens_per_block, sw, separate):
     """Block indices the stock server writes for one group, modelled independently of the planning code."""
     chunk_ends = list(range(tokens.start + chunk, tokens.end + 1, chunk))
     if separate and sw >= 0:
-        chunk_ends = chunk_ends[-(-sw // chunk) :]
+        keep = -(-sw // chunk)  # ceil(window / chunk): LMCache 0.5.6 keeps a window group's last this many chunks
+        chunk_ends = chunk_ends[-keep:]
     tail = chunk if sw < 0 else min(sw, chunk)
     written = set()
     for end in chunk_ends:
@@ -505,6 +506,7 @@ def stock_written_blocks(tokens, skip, chunk, tokens_per_block, sw, separate):
 
 @settings(max_examples=300, deadline=None)
 @given(block_tables(), st.booleans())
+@example(case=(32, [32, 32], [[3, 3, 3, 0], [0, 0, 3, 0]], R(0, 96), 0), separate=True)  # a window behind 3 chunks
 def test_no_plan_ever_names_the_null_block_as_a_destination_or_a_source(case, separate):
     chunk, tokens_per_block, tables, tokens, skip = case
 
