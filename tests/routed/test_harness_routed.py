@@ -147,9 +147,17 @@ def preempted_requests_return_exact_rows(harness) -> None:
     adapter, deadline = harness.scheduler.connector.scheduler_adapter, time.monotonic() + 30
     while any(adapter.check_lookup_result(r) is None for r in requests) and time.monotonic() < deadline:
         time.sleep(0.01)
+    answered = {r: adapter.check_lookup_result(r) for r in requests}
+    first_scheduled: dict[str, int] = {}
     while harness.busy():
-        preempted |= set(harness.step().preempted_req_ids or ())
-    assert preempted, "the pool was meant to force a preemption"
+        out = harness.step()
+        preempted |= set(out.preempted_req_ids or ())
+        for new in out.scheduled_new_reqs:
+            first_scheduled.setdefault(new.req_id, harness.steps)
+    assert preempted, (
+        f"the pool was meant to force a preemption; lookups answered before admission: {answered}, first scheduled "
+        f"at steps {first_scheduled}, {harness.steps} steps in all"
+    )
     for request_id, tokens in requests.items():
         expected = expected_rows(harness, request_id, tokens, 60)
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
