@@ -137,23 +137,21 @@ class ManagedProcess:
         return self.popen.pid
 
     def alive(self) -> bool:
-        """Whether the process runs. One that exited stays unreaped (a zombie) until :meth:`stop`: while it is, no
-        new process can get its id, so :meth:`stop` can still signal its group without hitting someone else's."""
-        if self.popen.returncode is not None:
-            return False
-        try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
-        except ChildProcessError:  # reaped by a wait on ``self.popen`` elsewhere
-            return self.popen.poll() is None
+        """Whether the process runs (see :attr:`exit_code`, which leaves an exited process unreaped)."""
+        return self.exit_code is None
 
     @property
     def exit_code(self) -> int | None:
-        """The exit status as ``Popen.returncode`` gives it (``-N`` for signal N), or None while it runs."""
+        """The exit status as ``Popen.returncode`` gives it (``-N`` for signal N), or None while it runs.
+
+        An exited process stays unreaped (a zombie) until :meth:`stop`: while it is, no new process can get its id,
+        so :meth:`stop` can still signal its group without hitting someone else's.
+        """
         if self.popen.returncode is not None:
             return self.popen.returncode
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
+        except ChildProcessError:  # reaped by a wait on ``self.popen`` elsewhere
             return self.popen.poll()
         if info is None:
             return None

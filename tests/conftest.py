@@ -71,18 +71,16 @@ def pytest_sessionfinish(session, exitstatus):
     if os.environ.get(RUN_MARKER_VAR) != RUN_MARKER:
         return
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is None and session.config.pluginmanager.has_plugin("dsession"):
-        # The controller starts nothing. Its workers checked theirs; a worker that crashed reported nothing, so what
-        # any worker started (its marker extends this one) is looked for once more, now that all have ended.
-        found = processes_with_marker(RUN_MARKER, derived=True)
-        kill_pids(list(found))
-        leftovers = list(_WORKER_LEFTOVERS) + [f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(found.items())]
-    else:
-        found = processes_with_marker(RUN_MARKER)
-        kill_pids(list(found))
-        leftovers = [f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(found.items())]
-        if workeroutput is not None:  # a worker: its controller fails the run
-            workeroutput["lmcache_r3_leftovers"] = leftovers
+    # A pytest-xdist controller starts nothing. Its workers checked theirs; a worker that crashed reported nothing, so
+    # what any worker started (its marker extends this one) is looked for once more, now that all have ended.
+    controller = workeroutput is None and session.config.pluginmanager.has_plugin("dsession")
+    found = processes_with_marker(RUN_MARKER, derived=controller)
+    kill_pids(list(found))
+    leftovers = (_WORKER_LEFTOVERS if controller else []) + [
+        f"pid {pid}: {cmd[:200]}" for pid, cmd in sorted(found.items())
+    ]
+    if workeroutput is not None:  # a worker: its controller fails the run
+        workeroutput["lmcache_r3_leftovers"] = leftovers
     if leftovers:
         lines = "\n".join(f"  {line}" for line in leftovers)
         sys.stderr.write(f"\nERROR: {len(leftovers)} process(es) started by this test session still run:\n{lines}\n")

@@ -143,26 +143,27 @@ class Rollouts:
             results[name] = (list(output.outputs[0].token_ids), output, sources, rows)
         return results
 
-    def reset_caches(self, lmcache_too: bool) -> None:
+    def reset_caches(self, lmcache_too: bool) -> int:
+        """Reset vLLM's prefix cache after LMCache's stores settled, and with ``lmcache_too`` empty LMCache's L1;
+        returns the objects LMCache still holds (0 unless ``lmcache_too``)."""
         self._wait_for_stores()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
-        if lmcache_too:
-            self._clear_lmcache()
+        return self._clear_lmcache() if lmcache_too else 0
 
-    def _clear_lmcache(self, timeout_s: float = 10.0) -> None:
-        """Empty LMCache's L1. A clear keeps locked objects (a lookup's read locks are released a moment after its
-        request ends, a store's write locks once it commits), so it waits for the locks to go, and clears again
-        while objects are left. Whatever stays is reported by the cold run that could be served from it."""
+    def _clear_lmcache(self, timeout_s: float = 10.0) -> int:
+        """Empty LMCache's L1; returns the objects left. A clear keeps locked objects (a lookup's read locks are
+        released a moment after its request ends, a store's write locks once it commits), so it waits for the locks
+        to go, and clears again while objects are left. Whatever stays is reported by the cold run that could be
+        served from it."""
         deadline = time.monotonic() + timeout_s
         while True:
             counts = self.server.l1_counts()
             if not counts["read_locked_count"] and not counts["write_locked_count"]:
                 self.server.clear_l1()
-                if not self.server.l1_counts()["total_object_count"]:
-                    return
-            if time.monotonic() > deadline:
-                return
+                counts = self.server.l1_counts()
+            if not counts["total_object_count"] or time.monotonic() > deadline:
+                return counts["total_object_count"]
             time.sleep(0.05)
 
     def _wait_for_stores(self, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
@@ -209,8 +210,7 @@ def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int
         rollouts.reset_caches(lmcache_too=False)  # the next turn's shared prefixes must come from LMCache
     # The reference: every request again, cold (vLLM's prefix cache reset and LMCache emptied before each).
     for result in requests:
-        rollouts.reset_caches(lmcache_too=True)
-        left = rollouts.server.l1_counts()["total_object_count"]
+        left = rollouts.reset_caches(lmcache_too=True)
         tokens, _, sources, rows = rollouts.generate({result.name: prompts_of[result.name]})[result.name]
         result.tokens_equal_cold = tokens == result.output_tokens
         result.r3_equals_cold = (

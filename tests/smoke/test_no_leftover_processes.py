@@ -53,3 +53,42 @@ def test_a_session_using_every_service_fixture_leaves_nothing_running(tmp_path):
     while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == {}, f"processes left running after the session: {left}"
+
+
+LEAKY_TESTS = """
+import os, subprocess
+
+def test_leaks_a_process():
+    subprocess.Popen(["sleep", "300"])
+
+def test_crashes_its_worker_after_starting_a_process():
+    subprocess.Popen(["sleep", "301"])
+    os._exit(1)
+
+def test_starts_and_stops_a_process():
+    subprocess.run(["true"], check=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("selection", "fails"),
+    [
+        ("test_leaks_a_process", True),
+        ("test_crashes_its_worker_after_starting_a_process", True),
+        ("test_starts_and_stops_a_process", False),
+    ],
+)
+def test_a_session_on_two_workers_fails_when_any_worker_leaves_a_process_running(tmp_path, selection, fails):
+    """With pytest-xdist each worker marks what it starts with a marker of its own and reports what it left running
+    to the controller, which fails the run; a worker that crashed reports nothing, and the controller finds its
+    processes itself. Either way they are ended."""
+    marker = uuid.uuid4().hex
+    (tmp_path / "test_leaky.py").write_text(LEAKY_TESTS)
+    session = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "-n", "2",
+         "-k", selection, str(tmp_path / "test_leaky.py")],
+        cwd=REPO, env={**os.environ, RUN_MARKER_VAR: marker}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (session.returncode != 0) is fails, session.stdout[-3000:] + session.stderr[-3000:]
+    assert ("process(es) started by this test session still run" in session.stdout + session.stderr) is fails
+    assert processes_with_marker(marker, derived=True) == {}, "a worker's process outlived the session"

@@ -32,10 +32,7 @@ def processes_with_marker(marker: str, exclude: set[int] | None = None, derived:
             continue
         try:
             variables = (entry / "environ").read_bytes().split(b"\0")
-            if derived:
-                if not any(v.startswith(needle + b"-") for v in variables):
-                    continue
-            elif needle not in variables:
+            if not any(v.startswith(needle + b"-") if derived else v == needle for v in variables):
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             if state in ("Z", "X"):
