@@ -22,8 +22,10 @@ Layout of a root (owned by the current user, mode 0700, not a symlink)::
   object of its own key), and the XXH3-64 of the header fields before it. Every ``get`` checks all of them; any
   mismatch, short or long file is a *corrupt* object: counted, removed, and answered as a miss.
 
-Publishing writes a temp file (``O_EXCL``, 0600) in the root and hard-links it to its final name: ``link`` fails
-with ``EEXIST`` when another writer got there first, and a reader can only ever open a complete file. There is no
+Publishing writes a temp file (``O_EXCL``, 0600) in the root and renames it to its final name with
+``renameat2(RENAME_NOREPLACE)`` (where the kernel or file system lacks that flag: a hard link, then an unlink of the
+temp name): it fails with ``EEXIST`` when another writer got there first, and a reader can only ever open a complete
+file. There is no
 ``fsync`` by default: tmpfs has no disk to sync to, and this store survives server restarts, not host reboots (which
 empty /dev/shm anyway); pass ``durable=True`` on a disk-backed root.
 
@@ -31,7 +33,7 @@ Recycling. On tmpfs, writing a new file costs the kernel a page allocation and a
 (about 2 GB/s here); rewriting pages a file already has is a plain copy (about 8 GB/s). So an object removed by
 ``delete`` or the TTL sweep is not unlinked but renamed into ``ROOT/.free`` (atomically: it leaves its name at
 once), and a later ``put`` of an object of the same file size claims it by renaming it to its temp name, rewrites
-it in place and links it as usual. A reader that opened the file before it was removed can see it rewritten under
+it in place and publishes it as usual. A reader that opened the file before it was removed can see it rewritten under
 it; the key-seeded checksum makes that a miss (counted as ``raced``), never another object's bytes. The free files
 count against the capacity (``used + pooled <= capacity_bytes``), are bounded by ``recycle_bytes`` (default: the
 capacity; 0 turns recycling off), and are the first thing dropped when a put needs room; a store adopts the free
@@ -55,7 +57,10 @@ Example::
 from __future__ import annotations
 
 import base64
+import ctypes
+import errno
 import itertools
+import logging
 import os
 import stat
 import struct
@@ -69,6 +74,8 @@ import numpy as np
 import xxhash
 
 from lmcache_r3.tiers.holds import UNHELD, BuffersGone, CallerBuffers
+
+logger = logging.getLogger(__name__)
 
 MAX_KEY_BYTES = 155
 """Longest key accepted: its base32 name (248 characters) stays under NAME_MAX = 255."""
@@ -86,6 +93,10 @@ STALE_TEMP_SECONDS = 600.0
 """A temp file untouched this long is left over from a crashed writer and removed (when a store opens, and by
 :meth:`ShmObjectStore.tidy`); the free files of a process that is gone, free this long, are adopted by a tidying
 store."""
+
+_PID = [os.getpid()]
+"""This process's id, for file names (``os.getpid`` is a system call each time); set again in a forked child."""
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 
 _HEADER_BODY = struct.Struct("<4sHHQQ")
 _SHARD_NAMES = frozenset(f"{shard:02x}" for shard in range(256))
@@ -320,7 +331,7 @@ class ShmObjectStore:
             return False
         temp = f"{self._root}/{self._unique_name(TEMP_PREFIX)}"
         recycled = self._make_room(file_size, keep=key, claim_as=temp)  # reserves file_size, given back below
-        reserved = True
+        reserved, published = True, False
         try:
             fd = _open_temp(temp, recycled)
             try:
@@ -340,10 +351,11 @@ class ShmObjectStore:
             finally:
                 os.close(fd)
             try:
-                _link(temp, path)
+                _publish(temp, path)
             except FileExistsError:
                 self._adopt_existing(key, path)
                 return False
+            published = True
             with self._lock:  # counted before the reservation goes: never under the capacity's view
                 self._stats["bytes_written"] += payload.nbytes
                 self._stats["recycled"] += recycled
@@ -355,7 +367,8 @@ class ShmObjectStore:
             if reserved:
                 with self._lock:
                     self._used -= file_size
-            _unlink_quietly(temp)
+            if not published:
+                _unlink_quietly(temp)
 
     def get(self, key: bytes) -> bytes | None:
         """The payload stored under ``key``, or None for a miss (absent, evicted, expired or corrupt)."""
@@ -700,7 +713,7 @@ class ShmObjectStore:
     def _unique_name(self, prefix: str) -> str:
         """``<prefix><pid>-<n>-<random>``: unique among every store on the root (temp files and free files); the
         random part is the store's own, drawn once (the pid tells apart the stores of forked processes)."""
-        return f"{prefix}{os.getpid()}-{next(self._temp_ids)}-{self._name_token}"
+        return f"{prefix}{_PID[0]}-{next(self._temp_ids)}-{self._name_token}"
 
     def _pool_file(self, name: str, size: int, counted: bool = False) -> None:
         """Know a free file, claimable from now on; ``counted``: its bytes are in ``_pooled`` already (the caller
@@ -915,26 +928,52 @@ def object_names(keys: list[bytes]) -> list[str]:
 
 
 def _open_temp(temp: str, recycled: bool) -> int:
-    """Open the temp file a put writes: the free file renamed there (``recycled``), dated now so that no store opening
-    the root takes it for a crashed writer's leftover by its old mtime, or a new file."""
+    """Open the temp file a put writes: the free file renamed there (``recycled``), or a new file.
+
+    A free file keeps its old mtime until the put's write sets it (the object's publication time, which the TTL
+    reads); the rename that claimed it set its ctime, which is what tells a crashed writer's leftover temp file.
+    """
     if recycled:
-        fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.utime(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
     return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, OBJECT_MODE)
 
 
-def _link(temp: str, path: str) -> None:
-    """``os.link``, creating the shard directory the first time it is needed."""
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+"""glibc's ``renameat2`` (2.28 and later), or None; Python's ``os`` has no call for it."""
+if _renameat2 is not None:
+    _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    _renameat2.restype = ctypes.c_int
+_NOREPLACE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP)
+"""What ``renameat2`` answers where the kernel, the file system or a seccomp filter does not offer
+``RENAME_NOREPLACE``: publication then falls back to ``link`` + ``unlink``."""
+
+
+def _publish(temp: str, path: str) -> None:
+    """Give the complete file at ``temp`` the name ``path`` unless that name exists (``FileExistsError``), creating the
+    shard directory the first time it is needed. One ``renameat2(RENAME_NOREPLACE)``, else ``link`` then ``unlink`` of
+    ``temp``: either way a reader finds the whole file at ``path`` or nothing, and the first writer wins."""
     try:
-        os.link(temp, path)
+        _publish_once(temp, path)
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), mode=ROOT_MODE, exist_ok=True)
-        os.link(temp, path)
+        _publish_once(temp, path)
+
+
+def _publish_once(temp: str, path: str) -> None:
+    global _renameat2
+    rename = _renameat2
+    if rename is not None:
+        if rename(_AT_FDCWD, os.fsencode(temp), _AT_FDCWD, os.fsencode(path), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in _NOREPLACE_UNSUPPORTED:
+            raise OSError(code, os.strerror(code), temp, None, path)  # EEXIST: FileExistsError, ENOENT: ...NotFound
+        _renameat2 = None
+        logger.info("shm store: renameat2(RENAME_NOREPLACE) unavailable (%s); publishing with link", os.strerror(code))
+    os.link(temp, path)
+    _unlink_quietly(temp)
 
 
 def _unlink_quietly(path: str) -> None:

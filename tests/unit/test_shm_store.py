@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -105,6 +107,57 @@ def test_first_writer_wins(root):
     assert store.put(b"k", b"first") is True
     assert store.put(b"k", b"second") is False
     assert store.get(b"k") == b"first"
+
+
+def _renameat2_refusing_the_flag(*_args) -> int:
+    """What renameat2 answers on a file system without RENAME_NOREPLACE."""
+    ctypes.set_errno(errno.EINVAL)
+    return -1
+
+
+PUBLISHERS = {
+    "renameat2": None,
+    "renameat2 refuses the flag: link": _renameat2_refusing_the_flag,
+    "no renameat2 in libc: link": False,
+}
+
+
+@pytest.mark.parametrize("publisher", PUBLISHERS.values(), ids=PUBLISHERS.keys())
+def test_a_writer_losing_the_race_to_publish_keeps_the_first_object_and_leaves_no_temp(root, monkeypatch, publisher):
+    """Another writer publishes the key between this put's check and its publication: the name is never replaced."""
+    from lmcache_r3.tiers import shm_store
+
+    if publisher is not None:
+        monkeypatch.setattr(shm_store, "_renameat2", publisher or None)
+    store = ShmObjectStore(root, capacity_bytes=MiB)
+    other = ShmObjectStore(root, capacity_bytes=MiB)
+    real_check = store._adopt_existing
+    checks = []
+
+    def other_writer_gets_there_first(key, path):
+        checks.append(key)
+        if len(checks) > 1:
+            return real_check(key, path)
+        other.put(key, b"first")
+        return False
+
+    monkeypatch.setattr(store, "_adopt_existing", other_writer_gets_there_first)
+    assert store.put(b"k", b"second") is False
+    assert store.get(b"k") == b"first" and other.get(b"k") == b"first"
+    assert store.usage()[0] == HEADER.size + len(b"first")
+    assert not [path for path in root.iterdir() if path.name.startswith(shm_store.TEMP_PREFIX)]
+    assert store.put(b"other", b"published") is True and store.get(b"other") == b"published"
+
+
+def test_an_object_written_into_an_old_free_file_ages_from_its_publication(root):
+    """The TTL reads a file's mtime: a recycled file's old mtime is replaced by the put's write."""
+    store = ShmObjectStore(root, capacity_bytes=MiB, ttl_seconds=60)
+    store.put(b"a", value_of(b"a"))
+    store.delete([b"a"])
+    (free,) = (root / ".free").iterdir()
+    os.utime(free, (time.time() - 3600,) * 2)
+    assert store.put(b"b", value_of(b"b")) and store.stats()["recycled"] == 1
+    assert store.sweep_expired() == 0 and store.get(b"b") == value_of(b"b")
 
 
 def test_files_are_private_and_no_temp_file_is_left_behind(root):
