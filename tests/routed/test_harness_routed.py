@@ -142,11 +142,23 @@ def preempted_requests_return_exact_rows(harness) -> None:
     preempted: set[str] = set()
     for request_id, tokens in requests.items():
         harness.add_request(request_id, tokens, max_tokens=60)
-    harness.step()  # submits the three LMCache lookups
-    # Admit all three together (one running alone would finish before the next is looked up, and none be preempted).
-    adapter, deadline = harness.scheduler.connector.scheduler_adapter, time.monotonic() + 30
-    while any(adapter.check_lookup_result(r) is None for r in requests) and time.monotonic() < deadline:
+    harness.step()  # submits the three LMCache lookups and, with the step's schedule, their R3 fetches
+    # Admit all three together: a request is admitted once both its KV lookup and its R3 fetch answered, and a
+    # harness step takes microseconds, so one answered late (a busy machine) would start many steps after the others
+    # and the first could finish before the last grows, with nothing preempted.
+    connector = harness.scheduler.connector
+    adapter, book, deadline = connector.scheduler_adapter, connector.routed, time.monotonic() + 30
+
+    def unanswered() -> list[str]:
+        return [
+            r
+            for r in requests
+            if adapter.check_lookup_result(r) is None or book.fetch_pending(harness.scheduler.requests[r])
+        ]
+
+    while unanswered() and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not unanswered(), f"lookups or R3 fetches of {unanswered()} did not answer within 30 s"
     answered = {r: adapter.check_lookup_result(r) for r in requests}
     first_scheduled: dict[str, int] = {}
     while harness.busy():
