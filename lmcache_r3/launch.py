@@ -58,25 +58,53 @@ def service_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
 
+PORT_LANE_VAR = "LMCACHE_R3_PORT_LANE"
+"""``"<index>/<count>"``: :func:`free_port` hands out only ports in lane ``index`` of ``count`` (:func:`in_lane`), so
+processes that pick ports side by side on one host (one per lane: the test suite's parallel workers) never get one
+another's."""
+
+
+def port_lane(value: str | None) -> tuple[int, int]:
+    """``(index, count)`` of a ``PORT_LANE_VAR`` value; ``(0, 1)`` (every port) when unset.
+
+    Raises:
+        ValueError: not ``<index>/<count>`` with ``0 <= index < count``.
+    """
+    if not value:
+        return 0, 1
+    index, _, count = value.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ValueError(f"{PORT_LANE_VAR}={value!r}: expected <index>/<count> with 0 <= index < count, e.g. 0/2")
+    return int(index), int(count)
+
+
+def in_lane(port: int, index: int, count: int) -> bool:
+    """Whether ``port`` is in lane ``index`` of ``count``: by ``port // 2``, as Linux hands ``bind`` to port 0 odd ports
+    (it keeps even ones for ``connect``), so lanes by parity would leave all but one empty."""
+    return (port // 2) % count == index
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it), never one handed out before here.
 
     A port is not handed out twice by one process: a client of a server that has gone (ZMQ reconnects forever) would
-    otherwise talk to whatever server gets that port next, with requests meant for the old one.
+    otherwise talk to whatever server gets that port next, with requests meant for the old one. Processes given
+    different lanes in ``LMCACHE_R3_PORT_LANE`` (see ``PORT_LANE_VAR``) never hand out the same port either.
 
     Raises:
         OSError: no such port after many tries (the ephemeral range is exhausted).
+        ValueError: a malformed ``LMCACHE_R3_PORT_LANE``.
     """
+    index, count = port_lane(os.environ.get(PORT_LANE_VAR))
     with _HANDED_OUT_LOCK:
-        for _ in range(1000):
+        for _ in range(1000 * count):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((LOOPBACK, 0))
                 port = sock.getsockname()[1]
-            if port not in _HANDED_OUT:
+            if in_lane(port, index, count) and port not in _HANDED_OUT:
                 _HANDED_OUT.add(port)
                 return port
-    raise OSError(f"no free TCP port on {LOOPBACK} that this process has not handed out before")
+    raise OSError(f"no free TCP port on {LOOPBACK} in lane {index}/{count} that this process has not handed out before")
 
 
 def executable(name: str) -> str:

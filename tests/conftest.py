@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_r3.launch import TELEMETRY_OFF
+from lmcache_r3.launch import PORT_LANE_VAR, TELEMETRY_OFF
 from tests.support.processes import (
     REGISTRY,
     RUN_MARKER_VAR,
@@ -51,10 +51,14 @@ def pytest_configure(config):
     """A pytest-xdist worker marks what it starts with a marker of its own: it checks its own processes at its end,
     while the other workers' still run."""
     global RUN_MARKER
-    worker = getattr(config, "workerinput", {}).get("workerid")
+    workerinput = getattr(config, "workerinput", {})
+    worker = workerinput.get("workerid")
     if worker:
         RUN_MARKER = f"{RUN_MARKER}-{worker}"
         os.environ[RUN_MARKER_VAR] = RUN_MARKER
+        # Each worker (and what it starts) picks ports of its own lane: a client still reconnecting to a server one
+        # worker stopped never reaches a server another worker started on the same port.
+        os.environ[PORT_LANE_VAR] = f"{int(worker.removeprefix('gw'))}/{workerinput['workercount']}"
 
 
 _WORKER_LEFTOVERS: list[str] = []

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_r3.launch import TELEMETRY_OFF, ManagedProcess, ServiceStartError, free_port, service_env
+from lmcache_r3.launch import (
+    PORT_LANE_VAR,
+    TELEMETRY_OFF,
+    ManagedProcess,
+    ServiceStartError,
+    free_port,
+    in_lane,
+    port_lane,
+    service_env,
+)
 from tests.support.processes import RUN_MARKER_VAR, processes_with_marker
 
 
@@ -36,6 +45,30 @@ def test_free_port_never_hands_out_a_port_twice():
     alone repeats one among 500 picks almost surely: about 28k ephemeral ports)."""
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.parametrize("lane", ["0/2", "1/2", "2/3"])
+def test_free_port_hands_out_only_ports_of_its_lane(monkeypatch, lane):
+    """Two processes picking ports at once on one host, in different lanes, never get the same port."""
+    monkeypatch.setenv(PORT_LANE_VAR, lane)
+    index, count = (int(part) for part in lane.split("/"))
+    ports = [free_port() for _ in range(50)]
+    assert all(in_lane(port, index, count) for port in ports) and len(set(ports)) == len(ports)
+
+
+@pytest.mark.parametrize(
+    ("value", "lane"),
+    [(None, (0, 1)), ("", (0, 1)), ("0/1", (0, 1)), ("3/4", (3, 4))],
+    ids=["unset", "empty", "one", "4"],
+)
+def test_port_lane_reads_index_and_count(value, lane):
+    assert port_lane(value) == lane
+
+
+@pytest.mark.parametrize("value", ["2/2", "1", "a/2", "-1/2", "1/0", "1/2/3"])
+def test_a_malformed_port_lane_is_refused_naming_the_variable_and_the_form(value):
+    with pytest.raises(ValueError, match=f"{PORT_LANE_VAR}=.*<index>/<count>"):
+        port_lane(value)
 
 
 def test_process_that_exits_early_fails_readiness_with_its_log(tmp_path):
