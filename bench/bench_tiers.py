@@ -14,8 +14,8 @@ of 128 experts, uint8: 96 KiB + a 72-byte header, built with ``encode_run``). Ea
 6. the same memcpy plus an XXH3-64 of every object (put: hash, then copy; get: copy, then hash the copy): the floor
    of any tier that checksums what it stores and verifies every load, as both lmcache_r3 tiers do;
 7. the file system calls of a file-per-object tier with atomic first-writer-wins publication, and nothing else, on
-   /dev/shm from one thread (put: rewrite a file of the object's size, link it to the object's name, unlink the
-   temporary name; get: ``stat`` each object, as a lookup must, then open, read, close): the floor of the shm tier's
+   /dev/shm from one thread (put: rewrite a file of the object's size, rename it to the object's name unless that
+   exists; get: ``stat`` each object, as a lookup must, then open, read, close): the floor of the shm tier's
    design, without its checksums, accounting, tasks and threads;
 8. raw Mooncake plus what an L2 tier over it cannot leave out: an existence query of the batch before the get (LMCache
    looks up and locks before it loads) and an XXH3-64 of every object (before the put, after the get): the floor of
@@ -77,7 +77,7 @@ from lmcache_r3.tiers import mooncake_store
 from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
 from lmcache_r3.tiers.mooncake_config import settings_from_params
 from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
-from lmcache_r3.tiers.shm_store import write_all
+from lmcache_r3.tiers.shm_store import publish, write_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for the tests' Mooncake helpers
 from tests.support.mooncake import MOONCAKE_ENV, MooncakeCluster, start_mooncake  # noqa: E402
@@ -370,9 +370,10 @@ class FileFloorPath:
     """Only the file system calls of a file-per-object tier that publishes atomically, first writer wins.
 
     put, per object: open a file of the object's size (its pages already there, as the shm tier rewrites the file of
-    an object removed earlier), write the object, close, link it to the object's name (which fails when another
-    writer got there first), unlink the temporary name. get: ``stat`` every object (the lookup), then per object
-    open, read into the target, close. No header, checksum, accounting, task or thread: one Python thread on /dev/shm.
+    an object removed earlier), write the object, close, rename it to the object's name unless that exists (the shm
+    tier's own ``publish``: one ``renameat2(RENAME_NOREPLACE)``). get: ``stat`` every object (the lookup), then per
+    object open, read into the target, close. No header, checksum, accounting, task or thread: one Python thread on
+    /dev/shm.
     """
 
     name = "file_floor"
@@ -397,8 +398,7 @@ class FileFloorPath:
                 write_all(fd, memoryview(view))
             finally:
                 os.close(fd)
-            os.link(temp, self._path(key))
-            os.unlink(temp)
+            publish(temp, self._path(key))
 
     def get(self, kind: Kind, keys: list[ObjectKey], buffer: np.ndarray) -> float:
         started = time.perf_counter()
@@ -734,8 +734,9 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "adds an XXH3-64 of each object (before the put's copy, after the get's), the least a tier does that "
         "checksums every object and verifies every load. Every get is compared byte for byte with what was put. "
         "The two floors: the file system calls alone of a file-per-object tier that publishes atomically, "
-        "from one thread on /dev/shm (put: rewrite a file of the object's size, link it to the object's name, "
-        "unlink the temporary name; get: `stat` every object, then open, read, close), and a second raw "
+        "from one thread on /dev/shm (put: rewrite a file of the object's size, rename it to the object's name "
+        "unless that exists, as the shm tier publishes; get: `stat` every object, then open, read, close), and a "
+        "second raw "
         "Mooncake client that also queries the batch's existence before the get and hashes every object with "
         "XXH3-64 (before the put, after the get).",
         "",

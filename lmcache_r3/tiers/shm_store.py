@@ -351,7 +351,7 @@ class ShmObjectStore:
             finally:
                 os.close(fd)
             try:
-                _publish(temp, path)
+                publish(temp, path)
             except FileExistsError:
                 self._adopt_existing(key, path)
                 return False
@@ -950,7 +950,7 @@ _NOREPLACE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.ENOTSUP
 ``RENAME_NOREPLACE``: publication then falls back to ``link`` + ``unlink``."""
 
 
-def _publish(temp: str, path: str) -> None:
+def publish(temp: str, path: str) -> None:
     """Give the complete file at ``temp`` the name ``path`` unless that name exists (``FileExistsError``), creating the
     shard directory the first time it is needed. One ``renameat2(RENAME_NOREPLACE)``, else ``link`` then ``unlink`` of
     ``temp``: either way a reader finds the whole file at ``path`` or nothing, and the first writer wins."""
