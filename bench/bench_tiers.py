@@ -845,8 +845,8 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
             "make them (the shm tier splits a batch of at least its `parallel_min_bytes` over its `io_threads`, so "
             "there they can add up to more than the wall time); the rest is the tier's own work around them "
             "(staging copies and checksums for Mooncake, the L2 tasks, their threads and event fds). A Mooncake "
-            "call made from the tier's call thread can take longer than the same call from the thread that "
-            "drives raw Mooncake (compare the tier's put calls with raw Mooncake's put).",
+            "call the tier makes can take longer than the same call raw Mooncake makes (compare the tier's put "
+            "calls with raw Mooncake's put): its latency depends on how long the client was idle before it.",
             "",
             "| path, batch | put | of which underlying calls | get | of which lookup calls | of which load calls "
             "| rest of the get |",
