@@ -736,9 +736,8 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
         "The two floors: the file system calls alone of a file-per-object tier that publishes atomically, "
         "from one thread on /dev/shm (put: rewrite a file of the object's size, rename it to the object's name "
         "unless that exists, as the shm tier publishes; get: `stat` every object, then open, read, close), and a "
-        "second raw "
-        "Mooncake client that also queries the batch's existence before the get and hashes every object with "
-        "XXH3-64 (before the put, after the get).",
+        "second raw Mooncake client that also queries the batch's existence before the get and hashes every "
+        "object with XXH3-64 (before the put, after the get).",
         "",
         "The shm tier rewrites the files of objects removed earlier: each repeat's objects are deleted after it "
         "(untimed), so the next repeat's puts find free files of their size, as every put does in a full tier, "

@@ -389,7 +389,7 @@ def test_lookups_abandoned_while_the_tier_stalls_share_one_release_thread_and_le
                 # New threads: the release thread, and the tier's pools may start the workers they had not yet
                 # (while every task stalls, each submission finds its pool's threads busy); one thread per
                 # abandoned prefetch would be `abandoned` more.
-                added = [tid for tid in _threads(server.process.pid) if tid not in threads]
+                added = _threads(server.process.pid) - threads
                 bound = 1 + sum(pools.values())
                 assert len(added) <= bound < abandoned, f"{len(added)} threads more for {abandoned} abandoned lookups"
             finally:
