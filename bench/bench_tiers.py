@@ -32,7 +32,8 @@ byte for byte against what was put; a mismatch, a miss or a failed store stops t
 
 For the R3 batches the report also splits the two lmcache_r3 tiers' time: what a put and a get spent inside the
 tier's underlying calls (the shm tier's ``ShmObjectStore`` methods, the Mooncake tier's native client calls, timed
-by wrapping them) and the rest, the tier's own work around them.
+by wrapping them), in the Mooncake tier's staging, and the rest, the tier's own work around them; raw Mooncake runs
+in the same rounds, so the tier's native calls are compared with the same calls made under the same conditions.
 
 Each repeat runs every path once (the paths interleaved in a rotating order, fresh keys every time, objects deleted
 again untimed); one untimed warm-up repeat comes first. Figures are medians over ``--repeats``; ratios are ratios of
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import inspect
 import logging
 import os
 import platform
@@ -483,9 +485,12 @@ class InnerCalls:
 
     @contextmanager
     def installed(self):
-        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in self._targets]
+        originals = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in self._targets]
         for (owner, name, original), (_, _, operation) in zip(originals, self._targets, strict=True):
-            setattr(owner, name, self._timed(original, operation))
+            if isinstance(original, staticmethod):
+                setattr(owner, name, staticmethod(self._timed(original.__func__, operation)))
+            else:
+                setattr(owner, name, self._timed(getattr(owner, name), operation))
         try:
             yield
         finally:
@@ -508,8 +513,9 @@ class InnerCalls:
 
 
 INNER = InnerCalls()
-INNER_PATHS = ("shm", "mooncake")
-"""The tiers whose underlying calls are timed, in rounds of their own after the timed ones."""
+INNER_PATHS = ("shm", "mooncake", "raw_mooncake")
+"""The paths of the instrumented rounds, after the timed ones: the two tiers, whose underlying calls are timed, and
+raw Mooncake, whose put and get are the native calls the Mooncake tier makes, measured in the same rounds."""
 MOONCAKE_PATHS = frozenset({"mooncake", "mooncake_staged", "raw_mooncake", "mooncake_floor"})
 """The paths over Mooncake: they take turns among themselves, and the others among themselves, in every repeat."""
 GROUP_PAUSE_S = 0.2
@@ -517,6 +523,8 @@ GROUP_PAUSE_S = 0.2
 MOONCAKE_NATIVE = {"_write": "put", "_write_parts": "put", "_exists": "lookup", "_read": "load", "_query": "load",
                    "_read_parts": "load"}  # fmt: skip
 """The Mooncake tier's native calls (module functions of ``mooncake_store``), by the operation that makes them."""
+MOONCAKE_STAGING = "staging"
+"""The operation of ``MooncakeObjectStore._stage``: a put's copy of each batch into staging and its checksums."""
 
 
 def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarray) -> Sample:
@@ -530,7 +538,7 @@ def one_round(path, kind: Kind, repeat: int, sources, targets, target: np.ndarra
     started = time.perf_counter()
     lookup_s = path.get(kind, keys, targets)
     get_s = time.perf_counter() - started
-    inner = {"put": inner.get("put", 0.0), **INNER.take()}
+    inner = {**inner, **INNER.take()}  # the put's operations (put, staging), then the get's (lookup, load)
     if not np.array_equal(target, kind.source):
         bad = [
             i
@@ -600,27 +608,31 @@ def measure(
         paths.append(VerifiedCopyPath(kind))
         paths.append(FileFloorPath(kind))
 
-        samples: dict[str, list[Sample]] = {path.name: [] for path in paths}
-        groups = [
-            [path for path in paths if (path.name in MOONCAKE_PATHS) == over_mooncake]
-            for over_mooncake in (False, True)
-        ]
-        for repeat in range(repeats + 1):  # repeat 0 warms every path up and is not counted
-            for group in groups:  # a new order every repeat, within each group
-                time.sleep(GROUP_PAUSE_S)
-                for path in group[repeat % len(group) :] + group[: repeat % len(group)]:
-                    if isinstance(path, AdapterPath):
-                        sample = one_round(path, kind, repeat, sources, targets, target)
-                    else:
-                        sample = one_round(path, kind, repeat, kind.source, target, target)
-                    if repeat:
-                        samples[path.name].append(sample)
-        instrumented: dict[str, list[Sample]] = {name: [] for name in INNER_PATHS}
-        with INNER.installed():
-            for repeat in range(repeats + 1, 2 * repeats + 1):
-                for path in paths:
-                    if path.name in instrumented:
-                        instrumented[path.name].append(one_round(path, kind, repeat, sources, targets, target))
+        def rounds(chosen: list, first: int) -> dict[str, list[Sample]]:
+            """``repeats`` rounds of ``chosen`` after one warm-up round (repeat ``first``, not counted): in every
+            round the paths over Mooncake take turns among themselves and the others among themselves, each group
+            after a pause, in a new order every round."""
+            samples: dict[str, list[Sample]] = {path.name: [] for path in chosen}
+            groups = [
+                group
+                for over_mooncake in (False, True)
+                if (group := [path for path in chosen if (path.name in MOONCAKE_PATHS) == over_mooncake])
+            ]
+            for repeat in range(first, first + repeats + 1):
+                for group in groups:
+                    time.sleep(GROUP_PAUSE_S)
+                    for path in group[repeat % len(group) :] + group[: repeat % len(group)]:
+                        if isinstance(path, AdapterPath):
+                            sample = one_round(path, kind, repeat, sources, targets, target)
+                        else:
+                            sample = one_round(path, kind, repeat, kind.source, target, target)
+                        if repeat > first:
+                            samples[path.name].append(sample)
+            return samples
+
+        samples = rounds(paths, 0)
+        with INNER.installed():  # the same rounds again, of the tiers and raw Mooncake, with the timers in
+            instrumented = rounds([path for path in paths if path.name in INNER_PATHS], repeats + 1)
         return samples, instrumented, settings_from_params(params).batch_bytes
     finally:
         if shm_tier is not None:
@@ -836,29 +848,52 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
     if r3_kinds:
         out += [
             "",
-            "Inside the tiers, R3 again, in as many rounds of their own after the timed ones, with a timer around "
-            "each underlying call (the timed rounds above run without them: they cost about a microsecond a call): "
-            "the whole put and get of these rounds, and the time they spent in the tier's underlying calls "
-            "(the shm tier's `ShmObjectStore` methods: its file system calls and checksums; the Mooncake tier's "
-            "native client calls, which raw Mooncake makes too), medians per batch, summed over the threads that "
-            "make them (the shm tier splits a batch of at least its `parallel_min_bytes` over its `io_threads`, so "
-            "there they can add up to more than the wall time); the rest is the tier's own work around them "
-            "(staging copies and checksums for Mooncake, the L2 tasks, their threads and event fds). A Mooncake "
-            "call the tier makes can take longer than the same call raw Mooncake makes (compare the tier's put "
-            "calls with raw Mooncake's put): its latency depends on how long the client was idle before it.",
+            "Inside the tiers, R3 again: as many rounds again, after the timed ones, of the two tiers and raw "
+            "Mooncake, with the same pauses and turns, and a timer around each of the tiers' underlying calls "
+            "(the timed rounds above run without them: they cost about a microsecond a call). The underlying calls "
+            "are the shm tier's `ShmObjectStore` methods (its file system calls and checksums) and the Mooncake "
+            "tier's native client calls, the ones raw Mooncake makes (raw Mooncake's put and get are nothing but "
+            "those calls, so its row compares the same call made in the same rounds); staging is the Mooncake "
+            "tier's copy of each batch into its registered buffers with the checksum of each object; the rest is "
+            "the tier's own work around them (the L2 tasks, the hand-offs between threads, accounting and event "
+            "fds). Medians per batch, summed over the threads that make the calls (the shm tier splits a batch of "
+            "at least its `parallel_min_bytes` over its `io_threads`, so there they can add up to more than the "
+            "wall time).",
             "",
-            "| path, batch | put | of which underlying calls | get | of which lookup calls | of which load calls "
-            "| rest of the get |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| path, batch | put | of which underlying calls | of which staging | rest of the put | get "
+            "| of which lookup calls | of which load calls | rest of the get |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for kind in r3_kinds:
-            for name in ("shm", "mooncake"):
+            for name in INNER_PATHS:
                 inner = results[kind.name][name].inner_ms
-                lookup, load, put, get = (inner.get(k, 0.0) for k in ("lookup", "load", "whole put", "whole get"))
-                out.append(
-                    f"| {LABELS[name].split(' (')[0]}, {kind.name} | {ms(put)} | {ms(inner.get('put', 0.0))} "
-                    f"| {ms(get)} | {ms(lookup)} | {ms(load)} | {ms(get - lookup - load)} |"
-                )
+                put, get = inner.get("whole put", 0.0), inner.get("whole get", 0.0)
+                if name == "raw_mooncake":
+                    calls, staging, lookup, load = put, None, None, get
+                else:
+                    calls, lookup, load = (inner.get(k, 0.0) for k in ("put", "lookup", "load"))
+                    staging = inner.get(MOONCAKE_STAGING) if name == "mooncake" else None
+                own = name != "raw_mooncake"  # raw Mooncake's put and get are the calls themselves: no rest
+                rest_put = put - calls - (staging or 0.0) if own else None
+                rest_get = get - (lookup or 0.0) - load if own else None
+                cells = [put, calls, staging, rest_put, get, lookup, load, rest_get]
+                label = LABELS[name].split(" (")[0].split(" `")[0]
+                out.append(f"| {label}, {kind.name} | " + " | ".join("-" if c is None else ms(c) for c in cells) + " |")
+        mooncake = [
+            (kind.name, results[kind.name]["mooncake"].inner_ms, results[kind.name]["raw_mooncake"].inner_ms)
+            for kind in r3_kinds
+        ]
+        out += [
+            "",
+            "In these rounds the Mooncake tier's native put call took "
+            + ", ".join(
+                f"{ms(tier.get('put', 0.0))} against raw Mooncake's {ms(raw['whole put'])} ({name})"
+                for name, tier, raw in mooncake
+            )
+            + "; the tier's whole put "
+            + ", ".join(f"{ms(tier['whole put'])} ({name})" for name, tier, _ in mooncake)
+            + ".",
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -885,6 +920,7 @@ def main() -> int:
     command = " ".join(["python bench/bench_tiers.py", *sys.argv[1:]])
     for name, operation in MOONCAKE_NATIVE.items():
         INNER.wrap(mooncake_store, name, operation)
+    INNER.wrap(mooncake_store.MooncakeObjectStore, "_stage", MOONCAKE_STAGING)
 
     kv_bytes = args.objects * 2 * KV_LAYERS * CHUNK * KV_HEADS * HEAD_DIM * 2
     segment_mb = max(256, 3 * kv_bytes // 2**20 + 64)  # one tier batch + one raw batch + room below eviction
