@@ -868,32 +868,23 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
             for name in INNER_PATHS:
                 inner = results[kind.name][name].inner_ms
                 put, get = inner.get("whole put", 0.0), inner.get("whole get", 0.0)
-                if name == "raw_mooncake":
-                    calls, staging, lookup, load = put, None, None, get
+                if name == "raw_mooncake":  # its put and get are the native calls themselves: nothing else
+                    cells = [put, put, None, None, get, None, get, None]
                 else:
                     calls, lookup, load = (inner.get(k, 0.0) for k in ("put", "lookup", "load"))
                     staging = inner.get(MOONCAKE_STAGING) if name == "mooncake" else None
-                own = name != "raw_mooncake"  # raw Mooncake's put and get are the calls themselves: no rest
-                rest_put = put - calls - (staging or 0.0) if own else None
-                rest_get = get - (lookup or 0.0) - load if own else None
-                cells = [put, calls, staging, rest_put, get, lookup, load, rest_get]
+                    cells = [
+                        put,
+                        calls,
+                        staging,
+                        put - calls - (staging or 0.0),
+                        get,
+                        lookup,
+                        load,
+                        get - lookup - load,
+                    ]
                 label = LABELS[name].split(" (")[0].split(" `")[0]
                 out.append(f"| {label}, {kind.name} | " + " | ".join("-" if c is None else ms(c) for c in cells) + " |")
-        mooncake = [
-            (kind.name, results[kind.name]["mooncake"].inner_ms, results[kind.name]["raw_mooncake"].inner_ms)
-            for kind in r3_kinds
-        ]
-        out += [
-            "",
-            "In these rounds the Mooncake tier's native put call took "
-            + ", ".join(
-                f"{ms(tier.get('put', 0.0))} against raw Mooncake's {ms(raw['whole put'])} ({name})"
-                for name, tier, raw in mooncake
-            )
-            + "; the tier's whole put "
-            + ", ".join(f"{ms(tier['whole put'])} ({name})" for name, tier, _ in mooncake)
-            + ".",
-        ]
     return "\n".join(out) + "\n"
 
 
