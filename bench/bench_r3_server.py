@@ -40,7 +40,7 @@ from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache_r3.artifacts import R3Profile, decode_run, encode_run
 from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm, free_port
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import loopback_settings, r3_server_module_spec, start_server
+from lmcache_r3.mp.server_process import r3_server_module_spec, start_loopback_server, start_server
 from lmcache_r3.tiers.plugins import l2_adapter_spec
 
 SECTION = "## R3 in the LMCache MP server"
@@ -217,10 +217,10 @@ def main() -> int:
     l1_gb = (args.tokens * (kv_per_token + profile.bytes_per_token) * 1.6) / 2**30 + 0.5
 
     logs = Path(tempfile.mkdtemp(prefix="lmcache_r3-bench-"))
-    settings = loopback_settings(
-        chunk_size=CHUNK, l1_size_gb=round(l1_gb, 1), server_modules=(r3_server_module_spec("##r3"),)
+    server = start_loopback_server(
+        logs, chunk_size=CHUNK, l1_size_gb=round(l1_gb, 1), server_modules=(r3_server_module_spec("##r3"),)
     )
-    server = start_server(settings, logs / "server.log")
+    settings = server.settings
     try:
         scheduler, worker, blocks, kv_nbytes = kv_setup(
             server.url, args.tokens, args.kv_layers, args.kv_heads, args.head_dim

@@ -153,9 +153,8 @@ def main():
     from lmcache_r3.demo.model import SHAPES, build_tiny_moe
     workdir = Path({str(workdir)!r}) / {name!r}
     workdir.mkdir()
-    config = demo.write_demo_config(workdir)
+    config, server = demo.start_demo_server(workdir, workdir / "server.log")
     os.environ["LMCACHE_CONFIG_FILE"] = str(config)
-    server = demo.start_config_server(config, workdir / "server.log")
     model = build_tiny_moe(SHAPES[{shape!r}], None)
     times = {{False: [], True: []}}
     cpu = {{False: [], True: []}}
@@ -251,12 +250,11 @@ def bookkeeping(concurrent: int, workdir: Path) -> dict[str, float]:
     import numpy as np
 
     from lmcache_r3.demo.model import SMALL, build_tiny_moe
-    from lmcache_r3.mp.server_process import loopback_settings, r3_server_module_spec, start_server
+    from lmcache_r3.mp.server_process import r3_server_module_spec, start_loopback_server
     from tests.support.harness import HarnessConfig, SchedulerHarness
 
-    server = start_server(
-        loopback_settings(chunk_size=64, l1_size_gb=2.0, server_modules=(r3_server_module_spec("##r3"),)),
-        workdir / "server-harness.log",
+    server = start_loopback_server(
+        workdir, chunk_size=64, l1_size_gb=2.0, server_modules=(r3_server_module_spec("##r3"),)
     )
     try:
         config = HarnessConfig(connector_module="lmcache_r3.mp.connector", routed_experts=True,

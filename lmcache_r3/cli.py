@@ -17,18 +17,26 @@ import urllib.error
 import urllib.request
 
 from lmcache_r3.config import CONFIG_ENV_VAR, ConfigError, load_config
-from lmcache_r3.launch import TELEMETRY_OFF, ServiceStartError, service_env
+from lmcache_r3.launch import TELEMETRY_OFF, ServiceStartError, addresses_in_use, service_env
 
 
 def _server(args: argparse.Namespace) -> int:
-    from lmcache_r3.mp.server_process import server_argv, settings_from_config
+    from lmcache_r3.mp.server_process import server_addresses, server_argv, settings_from_config
 
     config = load_config(args.config)
-    argv = server_argv(settings_from_config(config))
+    server_settings = settings_from_config(config)
+    argv = server_argv(server_settings)
     settings = {**TELEMETRY_OFF, "LMCACHE_DISABLE_BANNER": "1"}
     if args.print_command:  # with the environment it runs in: LMCache reports usage unless told not to
         print(shlex.join(["env", *(f"{name}={value}" for name, value in settings.items()), *argv]))
         return 0
+    # LMCache would die on it with a ZMQ or uvicorn traceback; the config key is what the operator changes
+    keys = dict(zip(server_addresses(server_settings), ("server.port", "server.http_port"), strict=True))
+    for host, port in addresses_in_use(list(keys)):
+        source = args.config or os.environ.get(CONFIG_ENV_VAR) or "the config file"
+        print(f"lmcache-r3 server: {host}:{port} ({keys[host, port]}) is in use by another process (another "
+              f"lmcache server?): stop it, or set another {keys[host, port]} in {source}", file=sys.stderr)  # fmt: skip
+        return 1
     try:
         os.execve(argv[0], argv, service_env(settings))
     except OSError as err:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 #: Environment every process we start gets: no usage telemetry from LMCache or vLLM.
 TELEMETRY_OFF: Mapping[str, str] = {
@@ -31,6 +32,27 @@ LOOPBACK = "127.0.0.1"
 
 class ServiceStartError(RuntimeError):
     """A managed process exited or never became ready; the message ends with the tail of its log."""
+
+
+class PortClashError(ServiceStartError):
+    """A managed process exited because another process holds a port it was to listen on.
+
+    Ports picked with :func:`free_port` are free when picked, not when the service binds them a moment later: any
+    program on the host that binds port 0 in between (vLLM picks its ports that way) may get the same one. A caller
+    that picked the ports starts again on new ones (:func:`start_on_fresh_ports`); one given fixed ports cannot.
+    """
+
+    def __init__(self, message: str, addresses: Sequence[tuple[str, int]]) -> None:
+        super().__init__(message)
+        self.addresses = tuple(addresses)
+        """The ``(host, port)`` pairs found held by another process (all the service's own when none was found held
+        but its log says its bind failed)."""
+
+
+#: What ``strerror(EADDRINUSE)`` reads in a log: the bind of a service that exited failed.
+ADDRESS_IN_USE = "Address already in use"
+
+_Started = TypeVar("_Started")
 
 
 def exit_on_sigterm() -> None:
@@ -107,6 +129,38 @@ def free_port() -> int:
     raise OSError(f"no free TCP port on {LOOPBACK} in lane {index}/{count} that this process has not handed out before")
 
 
+def addresses_in_use(addresses: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Those of ``addresses`` that a server could not listen on now: another socket listens there.
+
+    The probe binds with ``SO_REUSEADDR``, as the servers we start do (ZMQ, asio, uvicorn), so an old connection's
+    ``TIME_WAIT`` does not count; a listening socket does.
+    """
+    held = []
+    for host, port in addresses:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                sock.listen(1)
+            except OSError:
+                held.append((host, port))
+    return held
+
+
+def start_on_fresh_ports(start: Callable[[], _Started], attempts: int = 3) -> _Started:
+    """``start()``, called again while it fails with :class:`PortClashError`; it must pick new ports each call.
+
+    Raises:
+        PortClashError: every one of ``attempts`` calls clashed (the last one's error).
+    """
+    for _ in range(attempts - 1):
+        try:
+            return start()
+        except PortClashError:
+            pass
+    return start()
+
+
 def executable(name: str) -> str:
     """Path of a console script, preferring the one next to the running interpreter (the project venv).
 
@@ -142,11 +196,21 @@ class ManagedProcess:
         argv: the command line.
         log_path: file that receives stdout and stderr.
         env: extra environment on top of :func:`service_env`.
+        listens: the ``(host, port)`` pairs it is to listen on: when it exits before it is ready and another process
+            holds one of them, readiness fails with :class:`PortClashError`.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        listens: Sequence[tuple[str, int]] = (),
+    ) -> None:
         self.name = name
         self.argv = list(argv)
+        self.listens = tuple(listens)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._stopped = False
@@ -198,16 +262,14 @@ class ManagedProcess:
         A probe that raises ``OSError`` or ``TimeoutError`` counts as "not yet".
 
         Raises:
+            PortClashError: the process exited first, and another process holds a port it was to listen on.
             ServiceStartError: the process exited first, or ``timeout_s`` passed.
         """
         start = time.monotonic()
         delay = 0.02
         while True:
             if not self.alive():
-                raise ServiceStartError(
-                    f"{self.name} (pid {self.pid}) exited with code {self.exit_code} before {what}.\n"
-                    f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._exit_error(what)
             try:
                 if probe():
                     return time.monotonic() - start
@@ -220,6 +282,21 @@ class ManagedProcess:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)
+
+    def _exit_error(self, what: str) -> ServiceStartError:
+        tail = self.log_tail()
+        details = f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{tail}"
+        exited = f"{self.name} (pid {self.pid}) exited with code {self.exit_code} before {what}"
+        held = addresses_in_use(self.listens)
+        if not held and not (self.listens and ADDRESS_IN_USE in tail):
+            return ServiceStartError(f"{exited}.\n{details}")
+        # its log may name the address when the holder let go of it before the probe
+        clashed = held or self.listens
+        named = ", ".join(f"{host}:{port}" for host, port in clashed)
+        return PortClashError(
+            f"{exited}: another process holds {named}, which it was to listen on; start it on other ports.\n{details}",
+            clashed,
+        )
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM the process, then SIGKILL its whole group if it does not exit in ``timeout_s``.

@@ -6,6 +6,7 @@ is ready when a real probe answers, is stopped by pid, and has its log quoted wh
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_r3.launch import PORT_LANE_VAR, TELEMETRY_OFF
+from lmcache_r3.launch import LOOPBACK, PORT_LANE_VAR, TELEMETRY_OFF, port_lane
 from tests.support.processes import (
     REGISTRY,
     RUN_MARKER_VAR,
@@ -27,6 +28,9 @@ os.environ.update(TELEMETRY_OFF)
 os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 RUN_MARKER = ensure_run_marker()
+VLLM_PORT_BASE = 20000
+"""vLLM's ports in this run start here (``VLLM_PORT``), under Linux's default ephemeral range (32768-60999)."""
+VLLM_PORTS_PER_LANE = 1000
 
 
 # -- order -----------------------------------------------------------------------------------------------------
@@ -59,6 +63,11 @@ def pytest_configure(config):
         # Each worker (and what it starts) picks ports of its own lane: a client still reconnecting to a server one
         # worker stopped never reaches a server another worker started on the same port.
         os.environ[PORT_LANE_VAR] = f"{int(worker.removeprefix('gw'))}/{workerinput['workercount']}"
+    # vLLM picks the ports its engines listen on (torch.distributed's store) by a bind to port 0 it lets go of before
+    # it binds again: in the range free_port picks from, so either could take the other's port in between. From
+    # VLLM_PORT up, vLLM probes ports below that range instead (below Mooncake's 15000-17000 too), a block per lane.
+    lane, _ = port_lane(os.environ.get(PORT_LANE_VAR))
+    os.environ.setdefault("VLLM_PORT", str(VLLM_PORT_BASE + VLLM_PORTS_PER_LANE * lane))
 
 
 _WORKER_LEFTOVERS: list[str] = []
@@ -91,20 +100,30 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# -- ports -----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port this process listens on: for a service given it, another process holds it (as vLLM's store or
+    any program that bound it in the moment between free_port's pick and the service's bind might)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
 # -- LMCache MP server -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def lmcache_server_factory(tmp_path_factory) -> Iterator[Callable[..., object]]:
     """Start ``lmcache server`` processes: ``factory(chunk_size=..., server_modules=(...), l2_adapters=(...),
     extra_args=("--separate-object-groups",), transfer_mode="auto")``. All are stopped at session end;
     a test may stop one earlier with ``server.stop()``."""
-    from lmcache_r3.mp.server_process import loopback_settings, start_server
+    from lmcache_r3.mp.server_process import start_loopback_server
 
     started = []
     logs = tmp_path_factory.mktemp("lmcache-server")
 
     def factory(**overrides):
-        settings = loopback_settings(**overrides)
-        server = start_server(settings, logs / f"server-{len(started)}-{settings.port}.log")
+        server = start_loopback_server(logs, **overrides)
         REGISTRY.add(server.process)
         started.append(server)
         return server

@@ -22,14 +22,20 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_r3.config import load_config
 from lmcache_r3.demo.model import FIRST_WORD_ID, SHAPES, build_tiny_moe
-from lmcache_r3.launch import TELEMETRY_OFF, ManagedProcess, executable, exit_on_sigterm, free_port
-from lmcache_r3.mp.server_process import LMCacheServer, settings_from_config
+from lmcache_r3.launch import (
+    TELEMETRY_OFF,
+    exit_on_sigterm,
+    free_port,
+    start_on_fresh_ports,
+)
+from lmcache_r3.mp.server_process import LMCacheServer, start_config_server
 from lmcache_r3.output import SOURCES_KEY, RoutedExpertsUnavailable, routed_experts
 
 BLOCK_SIZE = 32
 EXAMPLE_CONFIG = Path(__file__).with_name("demo.yaml")
+DEMO_CONFIG_NAME = "lmcache_r3.yaml"
+"""The demo's config file in its work folder: the example with free ports."""
 CONNECTOR = {
     "kv_connector": "LMCacheMPConnector",
     "kv_connector_module_path": "lmcache_r3.mp.connector",
@@ -100,22 +106,20 @@ def write_demo_config(workdir: Path) -> Path:
     """``demo.yaml`` with two free loopback ports, in ``workdir``."""
     text = EXAMPLE_CONFIG.read_text()
     text = text.replace("port: 5555", f"port: {free_port()}").replace("http_port: 8080", f"http_port: {free_port()}")
-    path = workdir / "lmcache_r3.yaml"
+    path = workdir / DEMO_CONFIG_NAME
     path.write_text(text)
     return path
 
 
-def start_config_server(config_file: Path, log_path: Path) -> LMCacheServer:
-    """``lmcache-r3 server --config FILE``: the documented way to run the server, as its own process."""
-    process = ManagedProcess("lmcache-r3 server", [executable("lmcache-r3"), "server", "--config", str(config_file)],
-                             log_path)  # fmt: skip
-    server = LMCacheServer(settings_from_config(load_config(config_file)), process)
-    try:
-        process.wait_ready(server.ping, 90.0, "answering RPC ping")
-    except BaseException:
-        process.stop()
-        raise
-    return server
+def start_demo_server(workdir: Path, log_path: Path) -> tuple[Path, LMCacheServer]:
+    """:func:`start_config_server` on :func:`write_demo_config`'s file, written again with new ports when another
+    process took one first; returns the file and the server."""
+
+    def start() -> tuple[Path, LMCacheServer]:
+        config_file = write_demo_config(workdir)
+        return config_file, start_config_server(config_file, log_path)
+
+    return start_on_fresh_ports(start)
 
 
 class Rollouts:
@@ -309,10 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/4] tiny MoE model {shape.name}: {shape.num_layers} layers, {shape.num_experts} experts, "
           f"top-{shape.top_k}")  # fmt: skip
     model_dir = build_tiny_moe(shape, args.model_cache)
-    config_file = write_demo_config(workdir)
+    print(f"[2/4] lmcache-r3 server --config {workdir / DEMO_CONFIG_NAME} (log {workdir / 'lmcache-server.log'})")
+    config_file, server = start_demo_server(workdir, workdir / "lmcache-server.log")
     os.environ["LMCACHE_CONFIG_FILE"] = str(config_file)
-    print(f"[2/4] lmcache-r3 server --config {config_file} (log {workdir / 'lmcache-server.log'})")
-    server = start_config_server(config_file, workdir / "lmcache-server.log")
     try:
         print(f"      ready, pid {server.pid}, {server.url}")
         print("[3/4] vLLM (CPU) with lmcache_r3's LMCacheMPConnector (configured from LMCACHE_CONFIG_FILE)")

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port
+from lmcache_r3.config import load_config
+from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port, start_on_fresh_ports
 from lmcache_r3.tiers.plugins import l2_adapter_spec
 
 #: Where LMCache finds the R3 chunk type (``--server-module``).
@@ -153,6 +154,7 @@ def start_server(
     """Start ``lmcache server`` and wait until both its RPC and HTTP ports answer.
 
     Raises:
+        PortClashError: another process holds its request or HTTP port.
         ServiceStartError: it exited or did not become ready; the message quotes its log.
     """
     process = ManagedProcess(
@@ -160,15 +162,40 @@ def start_server(
         server_argv(settings),
         log_path,
         env={"LMCACHE_DISABLE_BANNER": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
+        listens=server_addresses(settings),
     )
-    server = LMCacheServer(settings, process)
+    return _when_ready(LMCacheServer(settings, process), ready_timeout_s)
+
+
+def start_config_server(config_file: Path, log_path: Path, ready_timeout_s: float = 90.0) -> LMCacheServer:
+    """``lmcache-r3 server --config FILE`` (the documented way to run the server) as its own process, ready as
+    :func:`start_server`'s.
+
+    Raises:
+        ConfigError: the file is not a valid lmcache_r3 config.
+        PortClashError: another process holds a port the file gives it.
+        ServiceStartError: it exited or did not become ready; the message quotes its log.
+    """
+    settings = settings_from_config(load_config(config_file))
+    argv = [executable("lmcache-r3"), "server", "--config", str(config_file)]
+    process = ManagedProcess("lmcache-r3 server", argv, log_path, listens=server_addresses(settings))
+    return _when_ready(LMCacheServer(settings, process), ready_timeout_s)
+
+
+def _when_ready(server: LMCacheServer, ready_timeout_s: float) -> LMCacheServer:
+    """``server`` once both its RPC and HTTP ports answer; stopped, and the error raised, if it never does."""
     try:
-        process.wait_ready(server.ping, ready_timeout_s, "answering RPC ping")
-        process.wait_ready(lambda: bool(server.status(timeout_s=1.0)), ready_timeout_s, "serving /status")
+        server.process.wait_ready(server.ping, ready_timeout_s, "answering RPC ping")
+        server.process.wait_ready(lambda: bool(server.status(timeout_s=1.0)), ready_timeout_s, "serving /status")
     except BaseException:
-        process.stop()
+        server.process.stop()
         raise
     return server
+
+
+def server_addresses(settings: ServerSettings) -> tuple[tuple[str, int], ...]:
+    """The ``(host, port)`` pairs the server listens on: its request port and its HTTP port."""
+    return (settings.host, settings.port), (settings.http_host, settings.http_port)
 
 
 def loopback_settings(**overrides: Any) -> ServerSettings:
@@ -176,6 +203,21 @@ def loopback_settings(**overrides: Any) -> ServerSettings:
     ports: dict[str, Any] = {"port": free_port(), "http_port": free_port()}
     ports.update(overrides)
     return ServerSettings(**ports)
+
+
+def start_loopback_server(log_dir: Path, ready_timeout_s: float = 90.0, **overrides: Any) -> LMCacheServer:
+    """:func:`start_server` on free loopback ports (:func:`loopback_settings` with ``overrides``), started again on
+    new ports when another process took one of them first. Its log is ``log_dir/lmcache-server-<port>.log``.
+
+    Raises:
+        ServiceStartError: as :func:`start_server` (a clash three times running included).
+    """
+
+    def start() -> LMCacheServer:
+        settings = loopback_settings(**overrides)
+        return start_server(settings, Path(log_dir) / f"lmcache-server-{settings.port}.log", ready_timeout_s)
+
+    return start_on_fresh_ports(start)
 
 
 def r3_server_module_spec(namespace: str, tier_timeout_s: float | None = None) -> dict[str, Any]:

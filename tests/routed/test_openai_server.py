@@ -18,7 +18,7 @@ import pytest
 
 from lmcache_r3 import RoutedExpertsUnavailable, routed_experts_from_params
 from lmcache_r3.demo.run import BLOCK_SIZE
-from lmcache_r3.launch import ManagedProcess, free_port
+from lmcache_r3.launch import ManagedProcess, free_port, start_on_fresh_ports
 from lmcache_r3.output import SOURCES_KEY
 from tests.support.processes import REGISTRY
 
@@ -46,9 +46,9 @@ class OpenAIServer:
                 "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--chat-template", str(template),
                 "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
         # VLLM_SERVER_DEV_MODE: the server's /reset_prefix_cache, so the next request is served from LMCache.
-        self.process = REGISTRY.add(
-            ManagedProcess("vllm api server", argv, log_dir / "vllm-api-server.log", env={"VLLM_SERVER_DEV_MODE": "1"})
-        )
+        process = ManagedProcess("vllm api server", argv, log_dir / "vllm-api-server.log",
+                                 env={"VLLM_SERVER_DEV_MODE": "1"}, listens=(("127.0.0.1", self.port),))  # fmt: skip
+        self.process = REGISTRY.add(process)
         try:
             self.process.wait_ready(self._healthy, 300.0, "answering GET /health")
         except BaseException:
@@ -84,7 +84,8 @@ class OpenAIServer:
 
 @pytest.fixture(scope="module")
 def api_server(tiny_moe, r3_server, tmp_path_factory):
-    server = OpenAIServer(tiny_moe, r3_server, tmp_path_factory.mktemp("openai-server"))
+    log_dir = tmp_path_factory.mktemp("openai-server")
+    server = start_on_fresh_ports(lambda: OpenAIServer(tiny_moe, r3_server, log_dir))
     yield server
     server.process.stop()
 

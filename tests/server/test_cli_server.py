@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from lmcache_r3.artifacts import R3Profile, encode_run
-from lmcache_r3.launch import ManagedProcess, executable, free_port
+from lmcache_r3.launch import executable, free_port, start_on_fresh_ports
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import LMCacheServer, ServerSettings
+from lmcache_r3.mp.server_process import start_config_server
 from tests.support.processes import REGISTRY
 
 pytestmark = pytest.mark.server
@@ -23,8 +23,7 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([executable("lmcache-r3"), *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-@pytest.fixture
-def example_on_free_ports(tmp_path) -> Path:
+def write_example_on_free_ports(tmp_path) -> Path:
     """The shipped example file, with free ports and the fs tier under a temp dir."""
     document = yaml.safe_load(EXAMPLE.read_text())
     document["server"].update(port=free_port(), http_port=free_port(), chunk_size=64, l1_size_gb=0.25)
@@ -32,6 +31,11 @@ def example_on_free_ports(tmp_path) -> Path:
     path = tmp_path / "lmcache_r3.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
+
+
+@pytest.fixture
+def example_on_free_ports(tmp_path) -> Path:
+    return write_example_on_free_ports(tmp_path)
 
 
 def test_print_command_shows_the_stock_server_with_our_module_and_tiers(example_on_free_ports):
@@ -51,24 +55,21 @@ def test_a_bad_config_file_stops_the_server_command_with_the_key_and_exit_2(tmp_
     assert "server.evicton_policy: unknown key" in result.stderr
 
 
-def test_the_example_file_starts_a_working_server_with_r3(example_on_free_ports, tmp_path):
-    config = yaml.safe_load(example_on_free_ports.read_text())["server"]
-    process = ManagedProcess(
-        "lmcache-r3 server",
-        [executable("lmcache-r3"), "server", "--config", str(example_on_free_ports)],
-        tmp_path / "server.log",
-    )
-    REGISTRY.add(process)
-    server = LMCacheServer(ServerSettings(port=config["port"], http_port=config["http_port"]), process)
+def test_the_example_file_starts_a_working_server_with_r3(tmp_path):
+    def start():
+        example = write_example_on_free_ports(tmp_path)
+        return example, start_config_server(example, tmp_path / "server.log")
+
+    example, server = start_on_fresh_ports(start)
+    process = REGISTRY.add(server.process)
     try:
-        process.wait_ready(server.ping, 90, "answering RPC ping")
         profile = R3Profile(num_layers=2, top_k=2, num_experts=8)
         tokens = list(range(100, 100 + 128))
         rows = np.zeros((128, 2, 2), dtype=np.uint8)
         with R3Client(server.url, "m", profile) as r3:
             assert r3.info().result().chunk_size == 64
             assert r3.store(tokens, 0, encode_run(profile, 0, rows, 64)).result().num_stored == 2
-        inspect = cli("inspect", "--config", str(example_on_free_ports))
+        inspect = cli("inspect", "--config", str(example))
         assert inspect.returncode == 0, inspect.stderr
         summary = json.loads(inspect.stdout)
         assert summary["r3"]["stored_chunks"] == 2

@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port
+from lmcache_r3.launch import LOOPBACK, ManagedProcess, executable, free_port, start_on_fresh_ports
 
 MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": LOOPBACK, "MC_LOG_LEVEL": "ERROR"}
 
@@ -61,7 +61,11 @@ def start_mooncake(
 ) -> MooncakeCluster:
     """A master and a separate holder on loopback. ``lease_ms``: the master's read lease (short, so tests can remove
     objects right after reading them); None keeps Mooncake's default (10 s), which large reads on a loaded machine
-    need."""
+    need. Started again on new ports when another process took one of them first."""
+    return start_on_fresh_ports(lambda: _start_mooncake_once(workdir, segment, ready_timeout_s, lease_ms))
+
+
+def _start_mooncake_once(workdir: Path, segment: str, ready_timeout_s: float, lease_ms: int | None) -> MooncakeCluster:
     rpc_port, metrics_port, holder_port = free_port(), free_port(), free_port()
     master = ManagedProcess(
         "mooncake_master",
@@ -77,6 +81,7 @@ def start_mooncake(
         ],
         workdir / "mooncake-master.log",
         env=MOONCAKE_ENV,
+        listens=((LOOPBACK, rpc_port), (LOOPBACK, metrics_port)),
     )
     holder = None
     try:
@@ -97,6 +102,7 @@ def start_mooncake(
             ],
             workdir / "mooncake-holder.log",
             env=MOONCAKE_ENV,
+            listens=((LOOPBACK, holder_port),),
         )
         holder.wait_ready(lambda: cluster_probe.capacity_bytes() > 0, ready_timeout_s, "segment mounted")
     except BaseException:

@@ -119,7 +119,8 @@ def own_cluster(tmp_path):
 
 def restart_master(cluster) -> None:
     """Start the master again on the same ports and wait until the holder has mounted its segment again."""
-    cluster.master = ManagedProcess("mooncake_master", cluster.master.argv, cluster.master.log_path, env=MOONCAKE_ENV)
+    old = cluster.master
+    cluster.master = ManagedProcess(old.name, old.argv, old.log_path, env=MOONCAKE_ENV, listens=old.listens)
     REGISTRY.add(cluster.master)
     cluster.master.wait_ready(cluster.healthy, 20, "answering /health")
     cluster.master.wait_ready(lambda: cluster.capacity_bytes() > 0, 20, "the holder's segment mounted again")

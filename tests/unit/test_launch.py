@@ -11,14 +11,18 @@ from pathlib import Path
 import pytest
 
 from lmcache_r3.launch import (
+    LOOPBACK,
     PORT_LANE_VAR,
     TELEMETRY_OFF,
     ManagedProcess,
+    PortClashError,
     ServiceStartError,
+    addresses_in_use,
     free_port,
     in_lane,
     port_lane,
     service_env,
+    start_on_fresh_ports,
 )
 from tests.support.processes import RUN_MARKER_VAR, processes_with_marker
 
@@ -69,6 +73,102 @@ def test_port_lane_reads_index_and_count(value, lane):
 def test_a_malformed_port_lane_is_refused_naming_the_variable_and_the_form(value):
     with pytest.raises(ValueError, match=f"{PORT_LANE_VAR}=.*<index>/<count>"):
         port_lane(value)
+
+
+def listener(port: int) -> list[str]:
+    """A service that listens on ``port`` on loopback (with SO_REUSEADDR, as servers do) and waits."""
+    script = (
+        "import socket, time\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('127.0.0.1', {port}))\n"
+        "s.listen(1)\n"
+        "print('listening', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    return [sys.executable, "-c", script]
+
+
+def start_listener(port: int, log_path: Path) -> ManagedProcess:
+    proc = ManagedProcess("listener", listener(port), log_path, listens=((LOOPBACK, port),))
+    try:
+        proc.wait_ready(lambda: "listening" in proc.log_tail(), timeout_s=30, what="listening")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def test_addresses_in_use_are_those_another_socket_listens_on(held_port):
+    free = free_port()
+    assert addresses_in_use([(LOOPBACK, held_port), (LOOPBACK, free)]) == [(LOOPBACK, held_port)]
+
+
+def test_a_service_that_cannot_bind_a_held_port_fails_with_a_clash_naming_the_address(tmp_path, held_port):
+    with pytest.raises(PortClashError) as err:
+        start_listener(held_port, tmp_path / "l.log")
+    assert err.value.addresses == ((LOOPBACK, held_port),)
+    assert f"another process holds 127.0.0.1:{held_port}, which it was to listen on" in str(err.value)
+    assert "Address already in use" in str(err.value)  # its log, quoted
+
+
+def test_a_service_that_exits_for_another_reason_is_no_port_clash(tmp_path):
+    proc = ManagedProcess("failing", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "f.log",
+                          listens=((LOOPBACK, free_port()),))  # fmt: skip
+    with pytest.raises(ServiceStartError) as err:
+        proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+    assert not isinstance(err.value, PortClashError)
+    assert "exited with code 3" in str(err.value)
+
+
+def test_a_bind_failure_in_the_log_is_a_clash_even_when_the_port_is_free_again(tmp_path):
+    """The process that took the port may have let go of it by the time the service has exited."""
+    port = free_port()
+    script = f"print('bind 127.0.0.1:{port}: [Errno 98] Address already in use'); raise SystemExit(1)"
+    proc = ManagedProcess("loser", [sys.executable, "-c", script], tmp_path / "f.log", listens=((LOOPBACK, port),))
+    with pytest.raises(PortClashError) as err:
+        proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+    assert err.value.addresses == ((LOOPBACK, port),)
+
+
+def test_start_on_fresh_ports_starts_again_on_new_ports_after_a_clash(tmp_path, held_port):
+    ports = iter([held_port, free_port()])
+    tried = []
+
+    def start():
+        tried.append(next(ports))
+        return start_listener(tried[-1], tmp_path / f"l-{len(tried)}.log")
+
+    proc = start_on_fresh_ports(start)
+    try:
+        assert tried[0] == held_port and proc.listens == ((LOOPBACK, tried[1]),) and proc.alive()
+    finally:
+        proc.stop()
+
+
+def test_start_on_fresh_ports_gives_up_after_its_attempts_with_the_clash(tmp_path, held_port):
+    tried = []
+
+    def start():
+        tried.append(held_port)
+        return start_listener(held_port, tmp_path / f"l-{len(tried)}.log")
+
+    with pytest.raises(PortClashError):
+        start_on_fresh_ports(start, attempts=2)
+    assert len(tried) == 2
+
+
+def test_start_on_fresh_ports_does_not_retry_other_start_errors(tmp_path):
+    tried = []
+
+    def start():
+        tried.append(1)
+        proc = ManagedProcess("failing", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "f.log")
+        return proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+
+    with pytest.raises(ServiceStartError, match="exited with code 3"):
+        start_on_fresh_ports(start)
+    assert tried == [1]
 
 
 def test_process_that_exits_early_fails_readiness_with_its_log(tmp_path):
