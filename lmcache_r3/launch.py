@@ -215,6 +215,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._stopped = False
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()  # the log may already hold what earlier tries of the service wrote
             self.popen = subprocess.Popen(
                 self.argv,
                 stdout=log,
@@ -256,6 +257,15 @@ class ManagedProcess:
             return "<no log>"
         return data[-max_bytes:].decode(errors="replace")
 
+    def own_output(self) -> str:
+        """What this process wrote to its log (not what earlier processes wrote to the same file)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def wait_ready(self, probe: Callable[[], bool], timeout_s: float, what: str) -> float:
         """Poll ``probe`` until it returns True; returns the seconds it took.
 
@@ -288,7 +298,7 @@ class ManagedProcess:
         details = f"command: {' '.join(self.argv)}\nlog {self.log_path}:\n{tail}"
         exited = f"{self.name} (pid {self.pid}) exited with code {self.exit_code} before {what}"
         held = addresses_in_use(self.listens)
-        if not held and not (self.listens and ADDRESS_IN_USE in tail):
+        if not held and not (self.listens and ADDRESS_IN_USE in self.own_output()):
             return ServiceStartError(f"{exited}.\n{details}")
         # its log may name the address when the holder let go of it before the probe
         clashed = held or self.listens

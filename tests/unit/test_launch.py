@@ -131,6 +131,16 @@ def test_a_bind_failure_in_the_log_is_a_clash_even_when_the_port_is_free_again(t
     assert err.value.addresses == ((LOOPBACK, port),)
 
 
+def test_a_bind_failure_an_earlier_try_logged_to_the_same_file_is_no_clash_of_this_one(tmp_path):
+    log = tmp_path / "f.log"
+    log.write_text("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\n")  # the earlier try
+    proc = ManagedProcess("failing", [sys.executable, "-c", "raise SystemExit(3)"], log,
+                          listens=((LOOPBACK, free_port()),))  # fmt: skip
+    with pytest.raises(ServiceStartError) as err:
+        proc.wait_ready(lambda: False, timeout_s=30, what="ready")
+    assert not isinstance(err.value, PortClashError)
+
+
 def test_start_on_fresh_ports_starts_again_on_new_ports_after_a_clash(tmp_path, held_port):
     ports = iter([held_port, free_port()])
     tried = []
