@@ -151,9 +151,10 @@ def main():
         os.sched_setaffinity(0, {{0}})  # the front end, the engine cores and the server: core 0 (the workers: the rest)
     from lmcache_r3.demo import run as demo
     from lmcache_r3.demo.model import SHAPES, build_tiny_moe
+    from lmcache_r3.mp.server_process import start_written_config_server
     workdir = Path({str(workdir)!r}) / {name!r}
     workdir.mkdir()
-    config, server = demo.start_demo_server(workdir, workdir / "server.log")
+    config, server = start_written_config_server(lambda: demo.write_demo_config(workdir), workdir / "server.log")
     os.environ["LMCACHE_CONFIG_FILE"] = str(config)
     model = build_tiny_moe(SHAPES[{shape!r}], None)
     times = {{False: [], True: []}}

@@ -65,7 +65,7 @@ def pytest_configure(config):
         os.environ[PORT_LANE_VAR] = f"{int(worker.removeprefix('gw'))}/{workerinput['workercount']}"
     # vLLM picks the ports its engines listen on (torch.distributed's store) by a bind to port 0 it lets go of before
     # it binds again: in the range free_port picks from, so either could take the other's port in between. From
-    # VLLM_PORT up, vLLM probes ports below that range instead (below Mooncake's 15000-17000 too), a block per lane.
+    # VLLM_PORT up, vLLM probes ports below that range instead (and above Mooncake's 15000-17000), a block per lane.
     lane, _ = port_lane(os.environ.get(PORT_LANE_VAR))
     os.environ.setdefault("VLLM_PORT", str(VLLM_PORT_BASE + VLLM_PORTS_PER_LANE * lane))
 

@@ -23,13 +23,8 @@ from typing import Any
 import numpy as np
 
 from lmcache_r3.demo.model import FIRST_WORD_ID, SHAPES, build_tiny_moe
-from lmcache_r3.launch import (
-    TELEMETRY_OFF,
-    exit_on_sigterm,
-    free_port,
-    start_on_fresh_ports,
-)
-from lmcache_r3.mp.server_process import LMCacheServer, start_config_server
+from lmcache_r3.launch import TELEMETRY_OFF, exit_on_sigterm, free_port
+from lmcache_r3.mp.server_process import LMCacheServer, start_written_config_server
 from lmcache_r3.output import SOURCES_KEY, RoutedExpertsUnavailable, routed_experts
 
 BLOCK_SIZE = 32
@@ -109,17 +104,6 @@ def write_demo_config(workdir: Path) -> Path:
     path = workdir / DEMO_CONFIG_NAME
     path.write_text(text)
     return path
-
-
-def start_demo_server(workdir: Path, log_path: Path) -> tuple[Path, LMCacheServer]:
-    """:func:`start_config_server` on :func:`write_demo_config`'s file, written again with new ports when another
-    process took one first; returns the file and the server."""
-
-    def start() -> tuple[Path, LMCacheServer]:
-        config_file = write_demo_config(workdir)
-        return config_file, start_config_server(config_file, log_path)
-
-    return start_on_fresh_ports(start)
 
 
 class Rollouts:
@@ -314,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
           f"top-{shape.top_k}")  # fmt: skip
     model_dir = build_tiny_moe(shape, args.model_cache)
     print(f"[2/4] lmcache-r3 server --config {workdir / DEMO_CONFIG_NAME} (log {workdir / 'lmcache-server.log'})")
-    config_file, server = start_demo_server(workdir, workdir / "lmcache-server.log")
+    config_file, server = start_written_config_server(
+        lambda: write_demo_config(workdir), workdir / "lmcache-server.log"
+    )
     os.environ["LMCACHE_CONFIG_FILE"] = str(config_file)
     try:
         print(f"      ready, pid {server.pid}, {server.url}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,23 @@ def start_config_server(config_file: Path, log_path: Path, ready_timeout_s: floa
     argv = [executable("lmcache-r3"), "server", "--config", str(config_file)]
     process = ManagedProcess("lmcache-r3 server", argv, log_path, listens=server_addresses(settings))
     return _when_ready(LMCacheServer(settings, process), ready_timeout_s)
+
+
+def start_written_config_server(
+    write_config: Callable[[], Path], log_path: Path, ready_timeout_s: float = 90.0
+) -> tuple[Path, LMCacheServer]:
+    """:func:`start_config_server` on the file ``write_config()`` writes (with ports it picks), written and started
+    again when another process took one of its ports first; returns the file and the server.
+
+    Raises:
+        ServiceStartError: as :func:`start_config_server` (a clash three times running included).
+    """
+
+    def start() -> tuple[Path, LMCacheServer]:
+        config_file = write_config()
+        return config_file, start_config_server(config_file, log_path, ready_timeout_s)
+
+    return start_on_fresh_ports(start)
 
 
 def _when_ready(server: LMCacheServer, ready_timeout_s: float) -> LMCacheServer:

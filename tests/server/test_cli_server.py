@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from lmcache_r3.artifacts import R3Profile, encode_run
-from lmcache_r3.launch import executable, free_port, start_on_fresh_ports
+from lmcache_r3.launch import executable, free_port
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import start_config_server
+from lmcache_r3.mp.server_process import start_written_config_server
 from tests.support.processes import REGISTRY
 
 pytestmark = pytest.mark.server
@@ -56,11 +56,9 @@ def test_a_bad_config_file_stops_the_server_command_with_the_key_and_exit_2(tmp_
 
 
 def test_the_example_file_starts_a_working_server_with_r3(tmp_path):
-    def start():
-        example = write_example_on_free_ports(tmp_path)
-        return example, start_config_server(example, tmp_path / "server.log")
-
-    example, server = start_on_fresh_ports(start)
+    example, server = start_written_config_server(
+        lambda: write_example_on_free_ports(tmp_path), tmp_path / "server.log"
+    )
     process = REGISTRY.add(server.process)
     try:
         profile = R3Profile(num_layers=2, top_k=2, num_experts=8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,9 +14,9 @@ import yaml
 
 from lmcache_r3.artifacts import encoded_nbytes
 from lmcache_r3.config import ConfigError, parse_config
-from lmcache_r3.launch import executable, free_port, start_on_fresh_ports
+from lmcache_r3.launch import executable, free_port
 from lmcache_r3.mp.r3_client import R3Client
-from lmcache_r3.mp.server_process import LMCacheServer, start_config_server
+from lmcache_r3.mp.server_process import LMCacheServer, start_written_config_server
 from lmcache_r3.tiers.plugins import l2_adapter_spec
 from lmcache_r3.tiers.shm_store import HEADER
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
@@ -93,14 +94,14 @@ def test_a_shm_tier_without_a_required_key_is_refused_with_its_name(missing):
 def start_from_config(tmp_path, tier: dict) -> LMCacheServer:
     """``lmcache-r3 server`` on a config file with ``tier`` below L1 (written again on new ports after a clash)."""
 
-    def start() -> LMCacheServer:
+    def write_config() -> Path:
         document = {"server": {"port": free_port(), "http_port": free_port(), "chunk_size": CHUNK, "l1_size_gb": 0.25},
                     "tiers": [tier]}  # fmt: skip
         config = tmp_path / "lmcache_r3.yaml"
         config.write_text(yaml.safe_dump(document))
-        return start_config_server(config, tmp_path / "server.log")
+        return config
 
-    server = start_on_fresh_ports(start)
+    _, server = start_written_config_server(write_config, tmp_path / "server.log")
     REGISTRY.add(server.process)
     return server
 
