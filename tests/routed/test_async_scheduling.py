@@ -108,8 +108,14 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
     for request_id, tokens in (first | second).items():
         expected = expected_rows(harness, request_id, tokens, stops[request_id] + 1)
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected)
-    lmcache = sum(harness.outputs[f"b{i}"]["lmcache_r3_sources"]["lmcache_tokens"] for i in range(3))
-    assert lmcache >= 3 * CHUNK, "the repeated prompts were meant to load their first chunk from LMCache"
+    # Each repeated prompt's first chunk comes from LMCache, or from vLLM's own cache where another one's load from
+    # LMCache completed before this one's lookup answered (a busy machine); it is never computed again.
+    sources = {f"b{i}": harness.outputs[f"b{i}"]["lmcache_r3_sources"] for i in range(3)}
+    connector = harness.scheduler.connector
+    why = (sources, connector.counters.values, connector.routed.counters.values)  # which path a failure took
+    for request_id, source in sources.items():
+        assert source["lmcache_tokens"] + source["vllm_cached_tokens"] >= CHUNK, (request_id, why)
+    assert sum(s["lmcache_tokens"] for s in sources.values()) >= CHUNK, ("nothing loaded from LMCache", why)
     assert wait_locks(async_server, 0) == 0
 
 
