@@ -134,7 +134,7 @@ class Rollouts:
     def reset_caches(self, lmcache_too: bool) -> int:
         """Reset vLLM's prefix cache after LMCache's stores settled, and with ``lmcache_too`` empty LMCache's L1;
         returns the objects LMCache still holds (0 unless ``lmcache_too``)."""
-        self._wait_for_stores()
+        self.server.wait_for_stores()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
         return self._clear_lmcache() if lmcache_too else 0
@@ -153,20 +153,6 @@ class Rollouts:
             if not counts["total_object_count"] or time.monotonic() > deadline:
                 return counts["total_object_count"]
             time.sleep(0.05)
-
-    def _wait_for_stores(self, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
-        """LMCache commits KV and R3 stores asynchronously: wait until the server's object count stops growing."""
-        deadline = time.monotonic() + timeout_s
-        count, stable_since = -1, time.monotonic()
-        while time.monotonic() < deadline:
-            now = self.server.l1_counts()["total_object_count"]
-            if now != count:
-                count, stable_since = now, time.monotonic()
-            elif time.monotonic() - stable_since >= settle_s:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"the LMCache server's object count was still changing after {timeout_s:.0f} s "
-                           f"(now {count}): its stores did not settle; see its log")  # fmt: skip
 
 
 def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int, max_tokens: int) -> DemoResult:

@@ -8,6 +8,7 @@ settings, :func:`start_server` runs it on loopback with telemetry off and return
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,14 +114,15 @@ class LMCacheServer:
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The server's ``GET /status`` document."""
-        with urllib.request.urlopen(f"{self.http_url}/status", timeout=timeout_s) as resp:
-            return json.load(resp)
+        return server_status(self.http_url, timeout_s)
 
     def l1_counts(self) -> dict[str, int]:
         """Object, lock and byte counts of the default L1 manager, from ``/status``."""
-        l1 = self.status()["storage_manager"]["l1_managers"]["_default"]
-        keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
-        return {key: int(l1[key]) for key in keys}
+        return l1_counts(self.http_url)
+
+    def wait_for_stores(self, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
+        """See :func:`wait_for_stores`."""
+        wait_for_stores(self.http_url, settle_s, timeout_s)
 
     def clear_l1(self, timeout_s: float = 10.0) -> None:
         """``POST /cache/clear``: drop every unlocked L1 object (L2 tiers keep theirs)."""
@@ -144,6 +146,51 @@ class LMCacheServer:
 
     def stop(self) -> int | None:
         return self.process.stop()
+
+
+def server_status(http_url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The ``GET /status`` document of the server whose HTTP endpoint is ``http_url``."""
+    with urllib.request.urlopen(f"{http_url}/status", timeout=timeout_s) as resp:
+        return json.load(resp)
+
+
+def l1_counts(http_url: str) -> dict[str, int]:
+    """Object, lock and byte counts of the server's default L1 manager, from ``/status``."""
+    l1 = server_status(http_url)["storage_manager"]["l1_managers"]["_default"]
+    keys = ("total_object_count", "read_locked_count", "write_locked_count", "memory_used_bytes")
+    return {key: int(l1[key]) for key in keys}
+
+
+def wait_for_stores(http_url: str, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
+    """Return once the stores sent to the server are visible to lookups: no object is write-locked (LMCache answers
+    a KV store before its copy commits) and the object count held still for ``settle_s`` (R3 stores are sent in the
+    background and may still arrive).
+
+    Raises:
+        TimeoutError: the stores did not settle within ``timeout_s``.
+        ConnectionError: the server does not answer ``/status`` (it is not running, or ``http_url`` is wrong).
+    """
+    deadline = time.monotonic() + timeout_s
+    settled: tuple[int, float] | None = None  # (object count, since when), while nothing is write-locked
+    while True:
+        try:
+            counts = l1_counts(http_url)
+        except OSError as error:
+            raise ConnectionError(f"the LMCache server at {http_url} does not answer GET /status ({error}): "
+                                  "is it running, and is this its server.http_port?") from error  # fmt: skip
+        now = time.monotonic()
+        if counts["write_locked_count"]:
+            settled = None
+        elif settled is None or settled[0] != counts["total_object_count"]:
+            settled = (counts["total_object_count"], now)
+        elif now - settled[1] >= settle_s:
+            return
+        if now > deadline:
+            raise TimeoutError(
+                f"the LMCache server at {http_url} still took stores after {timeout_s:.0f} s "
+                f"({counts['total_object_count']} objects, {counts['write_locked_count']} write-locked): see its log"
+            )
+        time.sleep(0.05)
 
 
 def start_server(

@@ -31,7 +31,8 @@ def run_scenario(name: str, model: Path, server, out: Path, *extra: str) -> tupl
     env = dict(os.environ, LMCACHE_R3_SERVER_PID=str(server.pid))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.support.engine_r3", "--model", str(model), "--host", server.settings.host,
-         "--port", str(server.settings.port), "--out", str(out), "--scenario", name, *extra],
+         "--port", str(server.settings.port), "--http-url", server.http_url, "--out", str(out), "--scenario", name,
+         *extra],
         capture_output=True, text=True, timeout=540, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, f"scenario {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -30,6 +29,7 @@ class OpenAIServer:
 
     def __init__(self, model, r3_server, log_dir) -> None:
         self.model = str(model)
+        self.lmcache = r3_server
         self.port = free_port()
         extra = {
             "lmcache.mp.host": f"tcp://{r3_server.settings.host}",
@@ -78,8 +78,9 @@ class OpenAIServer:
         return self.post("/v1/chat/completions", body)
 
     def reset_prefix_cache(self) -> None:
+        """vLLM's prefix cache reset once the server took the stores, so the next request is served from LMCache."""
+        self.lmcache.wait_for_stores()
         assert self.post("/reset_prefix_cache", {}) == {"success": True}
-        time.sleep(0.5)  # LMCache commits KV and R3 stores asynchronously
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,17 @@ def test_one_store_many_call_stores_every_requests_chunks_and_a_shared_chunk_onc
         np.testing.assert_array_equal(np.concatenate([c.rows for c in decoded.chunks]), rows)
 
 
+def test_wait_for_stores_on_a_server_that_is_not_there_fails_at_once_naming_the_address():
+    from lmcache_r3.launch import free_port
+    from lmcache_r3.mp.server_process import wait_for_stores
+
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"LMCache server at {url} does not answer GET /status"):
+        wait_for_stores(url, timeout_s=30.0)
+    assert time.monotonic() - started < 10.0
+
+
 def test_one_fetch_many_call_answers_each_range_in_order(client):
     stored, missing = tokens_for(35, 3 * CHUNK), tokens_for(36, 2 * CHUNK)
     rows = rows_for(35, 3 * CHUNK)

@@ -5,7 +5,7 @@ owns process-global state), with vLLM's engine core in its own process as in pro
 rows, cached-token count and token sources go into an ``.npz`` + JSON result that the tests compare with HF
 transformers' router.
 
-    python -m tests.support.engine_r3 --model DIR --host H --port P --out DIR --scenario main
+    python -m tests.support.engine_r3 --model DIR --host H --port P --http-url URL --out DIR --scenario main
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from lmcache_r3 import RoutedExpertsUnavailable, routed_experts
 from lmcache_r3.artifacts import R3Profile
+from lmcache_r3.mp.server_process import wait_for_stores
 from lmcache_r3.output import SOURCES_KEY
 
 CHUNK = 64
@@ -32,8 +33,9 @@ def words(length: int, seed: int) -> list[int]:
 
 
 class Recorder:
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, http_url: str) -> None:
         self.llm = llm
+        self.http_url = http_url
         self.arrays: dict[str, np.ndarray] = {}
         self.facts: dict[str, Any] = {}
 
@@ -59,9 +61,10 @@ class Recorder:
         return outputs
 
     def reset(self) -> None:
+        """vLLM's prefix cache reset once the LMCache server took the stores, so the next hit comes from LMCache."""
+        wait_for_stores(self.http_url)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
-        time.sleep(0.5)  # LMCache commits KV and R3 stores asynchronously
 
 
 def scenario_main(rec: Recorder, server_url: str, model: Path) -> None:
@@ -130,6 +133,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--http-url", required=True, help="the LMCache server's HTTP endpoint (/status)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     parser.add_argument("--mq-timeout", type=float, default=30.0)
@@ -146,7 +150,7 @@ def main() -> int:
     transfer = {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "lmcache_r3.mp.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
     llm = make_llm(args.model, transfer, **ENGINE[args.scenario])
-    rec = Recorder(llm)
+    rec = Recorder(llm, args.http_url)
     try:
         SCENARIOS[args.scenario](rec, server_url, args.model)
     finally:
