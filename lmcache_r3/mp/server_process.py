@@ -161,6 +161,24 @@ def l1_counts(http_url: str) -> dict[str, int]:
     return {key: int(l1[key]) for key in keys}
 
 
+class StoreSettling:
+    """When the stores sent to a server have settled, from successive :func:`l1_counts` readings: nothing is
+    write-locked, and the object count has not changed for ``settle_s`` (since it last changed or a lock was seen)."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self._since: tuple[int, float] | None = None  # (object count, since when), while nothing is write-locked
+
+    def settled(self, counts: dict[str, int], now: float) -> bool:
+        if counts["write_locked_count"]:
+            self._since = None
+        elif self._since is None or self._since[0] != counts["total_object_count"]:
+            self._since = (counts["total_object_count"], now)
+        else:
+            return now - self._since[1] >= self.settle_s
+        return False
+
+
 def wait_for_stores(http_url: str, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
     """Return once the stores sent to the server are visible to lookups: no object is write-locked (LMCache answers
     a KV store before its copy commits) and the object count held still for ``settle_s`` (R3 stores are sent in the
@@ -171,7 +189,7 @@ def wait_for_stores(http_url: str, settle_s: float = 0.3, timeout_s: float = 10.
         ConnectionError: the server does not answer ``/status`` (it is not running, or ``http_url`` is wrong).
     """
     deadline = time.monotonic() + timeout_s
-    settled: tuple[int, float] | None = None  # (object count, since when), while nothing is write-locked
+    watch = StoreSettling(settle_s)
     while True:
         try:
             counts = l1_counts(http_url)
@@ -179,11 +197,7 @@ def wait_for_stores(http_url: str, settle_s: float = 0.3, timeout_s: float = 10.
             raise ConnectionError(f"the LMCache server at {http_url} does not answer GET /status ({error}): "
                                   "is it running, and is this its server.http_port?") from error  # fmt: skip
         now = time.monotonic()
-        if counts["write_locked_count"]:
-            settled = None
-        elif settled is None or settled[0] != counts["total_object_count"]:
-            settled = (counts["total_object_count"], now)
-        elif now - settled[1] >= settle_s:
+        if watch.settled(counts, now):
             return
         if now > deadline:
             raise TimeoutError(

@@ -5,14 +5,12 @@ scheduler's admission is played directly (``update_state_after_alloc`` with the 
 as vLLM does when it admits fewer external tokens than the lookup hit.
 """
 
-import os
-import signal
-import threading
 import time
 
 import pytest
 
 from tests.support.harness import BLOCK_SIZE, lookup, wait_locks
+from tests.support.processes import paused
 
 pytestmark = pytest.mark.harness
 
@@ -209,17 +207,10 @@ def test_a_request_finished_while_its_lookup_is_in_flight_releases_the_locks_the
     assert wait_locks(lmcache_server, 0) == 0
     connector = harness.scheduler.connector
     request = harness.make_request("in-flight", tokens + [3])
-    # The server is stopped while the request looks up and finishes, so the lookup is surely still out then.
-    os.kill(lmcache_server.pid, signal.SIGSTOP)
-    resume = threading.Timer(15.0, os.kill, (lmcache_server.pid, signal.SIGCONT))  # never left stopped
-    resume.start()
-    try:
+    with paused(lmcache_server.pid):  # the lookup is surely still out while the request looks up and finishes
         assert connector.get_num_new_matched_tokens(request, 0)[0] is None, "the lookup answered at once"
         request.status = RequestStatus.FINISHED_ABORTED
         harness.finish_by_hand(request, [])
-    finally:
-        resume.cancel()
-        os.kill(lmcache_server.pid, signal.SIGCONT)
     deadline = time.monotonic() + 10
     while not connector.counters.values.get("lookups_finished_after_request") and time.monotonic() < deadline:
         connector.build_connector_meta(empty_scheduler_output())  # the engine's later steps

@@ -15,6 +15,7 @@ from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
 from lmcache_r3.output import ROUTED_EXPERTS_ERROR_KEY, ROUTED_EXPERTS_KEY, decode_routed_experts
 from tests.support.harness import wait_for
+from tests.support.processes import paused
 
 pytestmark = pytest.mark.server
 
@@ -433,8 +434,6 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
     # The server is stopped (SIGSTOP) with the fetch in flight: the scheduler is told the R3 answer is still out,
     # instead of waiting for it, until the server answers (the joint hit is then the R3 hit) or the bound passes
     # (then it is an R3 miss: the KV hit is dropped and the request recomputes, never waits longer).
-    import os
-    import signal
     import time
 
     from lmcache_r3.artifacts import encode_run
@@ -446,8 +445,7 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
         request = Request("stalled", list(range(7000, 7000 + 2 * CHUNK + 3)))
         client.store(request.all_token_ids, 0, encode_run(PROFILE, 0, rows(0, 2 * CHUNK), CHUNK), 2 * CHUNK).result()
         book.begin_lookup(request, 0)
-        os.kill(r3_server.pid, signal.SIGSTOP)
-        try:
+        with paused(r3_server.pid):
             book.send_fetches()
             started = time.monotonic()
             assert book.fetch_pending(request)
@@ -457,8 +455,6 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
                 while book.fetch_pending(request):
                     time.sleep(0.05)
                 assert time.monotonic() - started < bound_s + 1.5
-        finally:
-            os.kill(r3_server.pid, signal.SIGCONT)
         if resumed:
             deadline = time.monotonic() + 5
             while book.fetch_pending(request) and time.monotonic() < deadline:
@@ -477,8 +473,6 @@ def test_a_fetch_of_a_stalled_server_is_pending_until_it_answers_or_its_bound_pa
 def test_a_store_a_stalled_server_never_answers_fails_at_its_bound_and_pauses_r3_calls(r3_server):
     # A dead server answers no store: each one is counted failed once its bound passes and R3 calls pause (as after a
     # fetch timeout), instead of piling up unanswered for as long as the server is gone.
-    import os
-    import signal
     import time
 
     client = R3Client(r3_server.url, "stalled-store-model", PROFILE, timeout_s=0.5)
@@ -487,8 +481,7 @@ def test_a_store_a_stalled_server_never_answers_fails_at_its_bound_and_pauses_r3
         request = Request("stalled-store", list(range(19000, 19000 + CHUNK + 4)))
         step = start_request(book, request, CHUNK + 4, store_end=CHUNK)
         request.num_computed_tokens = CHUNK + 4
-        os.kill(r3_server.pid, signal.SIGSTOP)
-        try:
+        with paused(r3_server.pid):
             book.on_worker_output(worker_output(step, 0, CHUNK + 4))  # chunk 0 complete: its store goes out
             assert len(book._stores) == 1 and book._server_answers()
             time.sleep(0.8)  # past the bound
@@ -496,8 +489,6 @@ def test_a_store_a_stalled_server_never_answers_fails_at_its_bound_and_pauses_r3
             assert book._stores == [], "a store past its bound is still waited for"
             assert book.counters.snapshot()["store_failures"] == 1
             assert not book._server_answers(), "R3 calls go on to a server that stopped answering"
-        finally:
-            os.kill(r3_server.pid, signal.SIGCONT)
     finally:
         client.close()
 

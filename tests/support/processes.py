@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lmcache_r3.launch import ManagedProcess
@@ -42,6 +45,20 @@ def processes_with_marker(marker: str, exclude: set[int] | None = None, derived:
             continue
         found[int(entry.name)] = cmdline.strip()
     return found
+
+
+@contextmanager
+def paused(pid: int, at_most_s: float = 15.0) -> Iterator[None]:
+    """The process ``pid`` stopped (SIGSTOP) inside the block, so whatever it was asked stays unanswered there; it
+    resumes at the end, or after ``at_most_s`` if the block takes longer, so a failing test never leaves it stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(at_most_s, os.kill, (pid, signal.SIGCONT))
+    resume.start()
+    try:
+        yield
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
 
 
 def kill_pids(pids: list[int]) -> None:

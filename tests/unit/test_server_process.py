@@ -89,3 +89,26 @@ def test_the_r3_module_gets_the_files_bound_on_the_tiers():
     config = parse_config({"connector": {"r3_timeout_s": 2}}, "deploy.yaml")
     (module,) = settings_from_config(config).server_modules
     assert module["config"] == {"namespace": "##r3", "tier_timeout_s": 1.6}
+
+
+def counts(objects: int, write_locked: int = 0) -> dict[str, int]:
+    return {"total_object_count": objects, "write_locked_count": write_locked}
+
+
+@pytest.mark.parametrize(
+    ("readings", "settled_at"),
+    [
+        # (time, objects, write-locked) readings, settle_s 0.3; the index of the first reading that says settled
+        ([(0.0, 4, 0), (0.1, 4, 0), (0.3, 4, 0)], 2),
+        ([(0.0, 4, 0), (0.2, 5, 0), (0.4, 5, 0), (0.5, 5, 0)], 3),  # a store landed: the wait starts again
+        ([(0.0, 4, 1), (0.3, 4, 1), (0.4, 4, 0), (0.6, 4, 0), (0.8, 4, 0)], 4),  # settled only once the copy is in
+        ([(0.0, 0, 0), (0.1, 0, 0), (0.2, 0, 0)], None),  # not yet settle_s
+        ([(0.0, 4, 0), (0.4, 4, 2), (0.5, 4, 0), (0.7, 4, 0)], None),  # a lock resets what held still before it
+    ],
+)
+def test_stores_settle_once_nothing_is_write_locked_and_the_count_held_still(readings, settled_at):
+    from lmcache_r3.mp.server_process import StoreSettling
+
+    watch = StoreSettling(settle_s=0.3)
+    answers = [watch.settled(counts(objects, locked), now) for now, objects, locked in readings]
+    assert (answers.index(True) if True in answers else None) == settled_at, answers
