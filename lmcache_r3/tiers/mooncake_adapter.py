@@ -109,6 +109,27 @@ def _number(params: dict[str, Any], key: str, default: float, integer: bool = Fa
     return value
 
 
+def _stored(views: list[memoryview], codes: list[int]) -> Iterator[tuple[int, int, int]]:
+    """A put's codes as ``TaskL2Adapter._put`` yields them: every object stored (or there already) counts whole."""
+    for i, (view, code) in enumerate(zip(views, codes, strict=True)):
+        if code == 0:
+            yield i, view.nbytes, view.nbytes
+
+
+def _present(codes: list[int]) -> Iterator[int]:
+    """The keys an existence query found: 0 is absent, negative an error, neither a hit."""
+    return (i for i, code in enumerate(codes) if code == 1)
+
+
+def _loaded(views: list[memoryview], codes: list[int]) -> Iterator[tuple[int, int | None]]:
+    """A read's codes as ``TaskL2Adapter._get`` yields them."""
+    for i, (view, code) in enumerate(zip(views, codes, strict=True)):
+        if code == view.nbytes:
+            yield i, code
+        elif code in (OBJECT_NOT_FOUND, CORRUPT):  # gone, or removed by the store
+            yield i, None
+
+
 class MooncakeL2Adapter(TaskL2Adapter):
     """An ``L2AdapterInterface`` over :class:`MooncakeObjectStore` (see the module for the design)."""
 
@@ -164,29 +185,32 @@ class MooncakeL2Adapter(TaskL2Adapter):
     def _put(
         self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any]
     ) -> Iterator[tuple[int, int, int]]:
-        views = [byte_view(obj) for _, obj in zip(names, objects, strict=True)]
+        views = [byte_view(obj) for obj in objects]
         # Read under holds of the task's buffers: an object stored after the task failed holds the bytes it was given.
-        codes = self._store.put(names, views, buffers=self._buffers(task))
-        for i, (view, code) in enumerate(zip(views, codes, strict=True)):
-            if code == 0:
-                yield i, view.nbytes, view.nbytes
+        yield from _stored(views, self._store.put(names, views, buffers=self._buffers(task)))
+
+    def _put_then(self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any], done) -> bool:
+        # Small staged puts (R3): staged here, completed on the client's call thread; no worker in between.
+        views = [byte_view(obj) for obj in objects]
+        return self._store.put_then(names, views, self._buffers(task), lambda codes: done(_stored(views, codes)))
 
     def _find(self, task: Task, keys: list[ObjectKey], names: list[str]) -> Iterator[int]:
-        for i, (_, code) in enumerate(zip(names, self._store.exists(names), strict=True)):
-            if code == 1:  # 0 is absent, negative an error: neither is a hit
-                yield i
+        yield from _present(self._store.exists(names))
+
+    def _find_then(self, task: Task, keys: list[ObjectKey], names: list[str], done) -> bool:
+        self._store.exists_then(names, lambda codes: done(_present(codes)))
+        return True
 
     def _get(
         self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any]
     ) -> Iterator[tuple[int, int | None]]:
-        views = [byte_view(obj) for _, obj in zip(names, objects, strict=True)]
+        views = [byte_view(obj) for obj in objects]
         # A direct transfer into L1 holds the task's buffers until it returned (or outlived its own bound).
-        codes = self._store.get_into(names, views, buffers=self._buffers(task))
-        for i, (view, code) in enumerate(zip(views, codes, strict=True)):
-            if code == view.nbytes:
-                yield i, code
-            elif code in (OBJECT_NOT_FOUND, CORRUPT):  # gone, or removed by the store
-                yield i, None
+        yield from _loaded(views, self._store.get_into(names, views, buffers=self._buffers(task)))
+
+    def _get_then(self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any], done) -> bool:
+        views = [byte_view(obj) for obj in objects]
+        return self._store.get_then(names, views, self._buffers(task), lambda codes: done(_loaded(views, codes)))
 
     def _remove(self, names: list[str]) -> Iterable[str]:
         codes = self._store.remove(names)

@@ -4,7 +4,8 @@
 threads and is waited for at most ``call_timeout_seconds``; a call still running then is *abandoned*: the caller gets
 ``TIMEOUT`` codes at once, and any staging buffer the call writes into stays the call's until it returns
 (:meth:`~BoundedMooncakeClient.submit` starts a call and :meth:`~BoundedMooncakeClient.wait` waits for it, so a caller
-can work while its call runs; the bound runs from the submit). Calls
+can work while its call runs; the bound runs from the submit; :meth:`~BoundedMooncakeClient.then` answers a callback
+instead, so that no thread waits at all). Calls
 answer one integer code per key; a failed call answers ``n`` copies of ``UNAVAILABLE``, ``TIMEOUT`` or ``EXCEPTION``,
 never raises. :func:`describe` names Mooncake's codes and these.
 
@@ -28,6 +29,8 @@ arena) may be registered as well (:meth:`register_region`): it is registered onc
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import queue
 import threading
@@ -154,6 +157,72 @@ class _DaemonPool:
             jobs.put(None)
 
 
+class _Deadlines:
+    """One daemon thread that runs ``action(False)`` at its time, and ``action(True)`` for those left at close.
+
+    Actions run late by up to ``slack_s`` (due ones run together), and a call that registers a deadline wakes the
+    thread only when it would otherwise sleep past it: an idle thread sleeps ``idle_s`` at a time, so the deadlines
+    of a steady stream of calls (each ``call_timeout_seconds`` ahead) never wake it. Actions must be short; one that
+    raises is logged.
+    """
+
+    def __init__(self, name: str, slack_s: float = 0.02, idle_s: float = 1.0) -> None:
+        self._slack, self._idle = slack_s, idle_s
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[bool], None]]] = []
+        self._order = itertools.count()
+        self._wake_at = float("inf")
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def add(self, when: float, action: Callable[[bool], None]) -> None:
+        with self._cond:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                heapq.heappush(self._heap, (when, next(self._order), action))
+                if when < self._wake_at:
+                    self._cond.notify()
+        if closed:
+            _run_callback(action, True)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            left, self._heap = self._heap, []
+            self._cond.notify()
+        for _, _, action in sorted(left):
+            _run_callback(action, True)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+                if due:
+                    self._cond.release()
+                    try:
+                        for action in due:
+                            _run_callback(action, False)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                sleep = max(self._slack, min(self._heap[0][0] - now if self._heap else self._idle, self._idle))
+                self._wake_at = now + sleep
+                self._cond.wait(sleep)
+                self._wake_at = float("inf")
+
+
+def _run_callback(callback: Callable[[Any], None], argument: Any) -> None:
+    try:
+        callback(argument)
+    except Exception:
+        logger.exception("Mooncake tier: a completion callback raised")
+
+
 class _StagingBuffers:
     """Registered byte buffers, reused by size; keeps at most ``keep_bytes`` of idle ones."""
 
@@ -203,6 +272,7 @@ class BoundedMooncakeClient:
         self._stats = dict.fromkeys(("timeouts", "exceptions", "recoveries"), 0)
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never probe through a proxy
         self._io = _DaemonPool(settings.num_io_threads, "mooncake-io")
+        self._deadlines = _Deadlines("mooncake-deadlines")
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_master, name="mooncake-monitor", daemon=True)
         self._monitor.start()
@@ -256,21 +326,75 @@ class BoundedMooncakeClient:
 
     def wait(self, pending: PendingCall) -> list[int]:
         """The ``n`` codes of a submitted call, or ``n`` copies of a failure code, by its deadline."""
-        what, n, future, buf = pending.what, pending.n, pending.future, pending.buf
+        future = pending.future
         if future is None:
-            return [UNAVAILABLE] * n
+            return [UNAVAILABLE] * pending.n
         try:
-            codes = [int(code) for code in future.result(timeout=max(0.0, pending.deadline - time.monotonic()))]
+            result = future.result(timeout=max(0.0, pending.deadline - time.monotonic()))
         except FutureTimeout:
-            # Still queued behind stuck calls: it never runs (a late transfer must not touch what the caller reused).
-            future.cancel()
-            if buf is not None:
-                future.add_done_callback(lambda _: self._release(buf))
-            self._fault("timeouts", f"{what} of {n} keys took over {self.settings.call_timeout_seconds} s", down=True)
-            return [TIMEOUT] * n
+            return self._abandon(pending)
         except Exception as err:
-            self._fault("exceptions", f"{what} of {n} keys raised {err!r}", down=False)
-            return [EXCEPTION] * n
+            return self._raised(pending, err)
+        return self._checked(pending, result)
+
+    def then(self, pending: PendingCall, callback: Callable[[list[int]], None]) -> None:
+        """Call ``callback(codes)`` exactly once with what :meth:`wait` would answer, without a thread waiting.
+
+        It runs on the io thread when the call returns, on the client's deadline thread when the call's bound
+        passes first (``TIMEOUT``, counted and marking the client down, as :meth:`wait` does), at once for a call
+        that never started, and with ``CANCELLED`` when the client closes first. The callback must be short and must
+        not wait for another call of this client; an exception it raises is logged.
+        """
+        future = pending.future
+        if future is None:
+            _run_callback(callback, [UNAVAILABLE] * pending.n)
+            return
+        claim = threading.Lock().acquire  # the first of the call's return, its deadline or close to claim it answers
+
+        def returned(_: Future) -> None:
+            if claim(blocking=False):
+                if future.cancelled():  # by close
+                    codes = [CANCELLED] * pending.n
+                elif (error := future.exception()) is not None:
+                    codes = self._raised(pending, error)
+                else:
+                    codes = self._checked(pending, future.result())
+                _run_callback(callback, codes)
+
+        def expired(closing: bool) -> None:
+            if claim(blocking=False):
+                if closing:
+                    future.cancel()
+                    codes = [CANCELLED] * pending.n
+                else:
+                    codes = self._abandon(pending)
+                _run_callback(callback, codes)
+
+        self._deadlines.add(pending.deadline, expired)
+        future.add_done_callback(returned)
+
+    def _abandon(self, pending: PendingCall) -> list[int]:
+        """A call past its bound: it never runs if still queued behind stuck calls (a late transfer must not touch
+        what the caller reused), keeps its staging buffer until it returns, and marks the client down."""
+        pending.future.cancel()
+        if pending.buf is not None:
+            buf = pending.buf
+            pending.future.add_done_callback(lambda _: self._release(buf))
+        bound = self.settings.call_timeout_seconds
+        self._fault("timeouts", f"{pending.what} of {pending.n} keys took over {bound} s", down=True)
+        return [TIMEOUT] * pending.n
+
+    def _raised(self, pending: PendingCall, err: BaseException) -> list[int]:
+        self._fault("exceptions", f"{pending.what} of {pending.n} keys raised {err!r}", down=False)
+        return [EXCEPTION] * pending.n
+
+    def _checked(self, pending: PendingCall, result: Sequence[int]) -> list[int]:
+        """A returned call's codes, one per key, as the caller gets them."""
+        what, n = pending.what, pending.n
+        try:
+            codes = [int(code) for code in result]
+        except Exception as err:
+            return self._raised(pending, err)
         if len(codes) != n:
             self._fault("exceptions", f"{what} answered {len(codes)} codes for {n} keys", down=False)
             return [EXCEPTION] * n
@@ -328,6 +452,7 @@ class BoundedMooncakeClient:
                 self._io.submit(native.close).exception(timeout=self.settings.call_timeout_seconds)
             except FutureTimeout:
                 pass
+        self._deadlines.close()
         self._io.shutdown()
 
     # -- internals -----------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ STORE_PARAMS = frozenset(
         "batch_bytes",
         "num_io_threads",
         "zero_copy_min_bytes",
+        "inline_max_bytes",
         "direct_reads",
         "direct_read_max_seconds",
         "transfer_progress_timeout_seconds",
@@ -86,6 +87,10 @@ class MooncakeTierSettings:
     zero_copy_min_bytes: int = 512 << 10
     """Objects at least this big that lie in the registered L1 region move without staging; smaller ones are staged
     (for them one transfer slice and a copy cost less than the two slices of header and payload)."""
+    inline_max_bytes: int = 4 << 20
+    """A put or get of at most this many bytes that takes one staged call (R3 objects) runs without a worker: it is
+    staged on the caller's thread and completed on the client's call thread when the call returns, saving the two
+    thread wake-ups of a hand-off to a worker and back. 0: every task runs on a worker."""
     direct_reads: bool = True
     """Whether reads, not only writes, move direct into L1. A direct transfer is never abandoned while it may still
     write into L1 (see ``direct_read_max_seconds``); a direct write is always safe (a late read of reused memory
@@ -217,6 +222,8 @@ def settings_from_params(params: Mapping[str, Any]) -> MooncakeTierSettings:
         values["batch_bytes"] = max(1, parse_size("adapter_params.batch_bytes", params["batch_bytes"]))
     if "zero_copy_min_bytes" in params:
         values["zero_copy_min_bytes"] = parse_size("adapter_params.zero_copy_min_bytes", params["zero_copy_min_bytes"])
+    if "inline_max_bytes" in params:
+        values["inline_max_bytes"] = parse_size("adapter_params.inline_max_bytes", params["inline_max_bytes"])
     if "direct_read_max_seconds" in params:
         value = params["direct_read_max_seconds"]
         if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 3600:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -154,6 +154,11 @@ class MooncakeObjectStore:
         self._count(codes, absent=0)
         return codes
 
+    def exists_then(self, keys: Sequence[str], done: Callable[[list[int]], None]) -> None:
+        """:meth:`exists` answering ``done(codes)`` once, on the client's threads, instead of returning."""
+        pending = self._client.submit("exists", len(keys), partial(_exists, keys=list(keys)))
+        self._client.then(pending, lambda codes: self._answer(done, codes, absent=0))
+
     def put(self, keys: Sequence[str], payloads: Sequence[memoryview], buffers: CallerBuffers = UNHELD):
         """Store each payload under its key; per key 0 (stored, or already there) or a negative code.
 
@@ -164,42 +169,95 @@ class MooncakeObjectStore:
         codes = [CANCELLED] * len(keys)
         addresses = self._direct_addresses(payloads)
         in_flight: deque[_Call] = deque()
-        weights = [
-            (HEADER.size + view.nbytes) // (1 if address is None else DIRECT_PUT_SHARE)
-            for view, address in zip(payloads, addresses, strict=True)
-        ]
-        for group, _ in batch_groups(self.settings.batch_bytes, weights):
+        for group, _ in self._put_groups(payloads, addresses):
             direct = any(addresses[i] for i in group)
             while in_flight and (direct or len(in_flight) >= self._client.max_in_flight):
                 self._put_done(in_flight.popleft(), payloads, codes, buffers)
-            slots = [HEADER.size + (0 if addresses[i] else payloads[i].nbytes) for i in group]
-            buf = self._client.acquire(sum(slots))
-            if buf is None:
-                codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
-                continue
-            if not buffers.hold():
-                self._client.done_with(buf, [])
+            call, refused = self._start_put(group, keys, payloads, addresses, codes, buffers)
+            if refused:
                 break
-            call = _Call([], buf, [], [], holding=direct)
-            try:
-                ptrs, sizes = self._stage(call, group, slots, keys, payloads, addresses)
-            except BaseException:
-                buffers.release()
-                self._client.done_with(buf, [])
-                raise
-            if not direct:  # staged: the caller's memory is not read again
-                buffers.release()
-            batch = [keys[i] for i in call.group]
-            if direct:
-                write = partial(_write_parts, keys=batch, ptrs=ptrs, sizes=sizes)
-            else:
-                write = partial(_write, keys=batch, ptrs=[p[0] for p in ptrs], sizes=[s[0] for s in sizes])
-            call.pending = self._client.submit("put", len(batch), write, buf)
-            in_flight.append(call)
+            if call is not None:
+                in_flight.append(call)
         while in_flight:
             self._put_done(in_flight.popleft(), payloads, codes, buffers)
         self._count(codes, absent=None)
         return codes
+
+    def put_then(
+        self,
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        buffers: CallerBuffers,
+        done: Callable[[list[int]], None],
+    ) -> bool:
+        """:meth:`put` answering ``done(codes)`` instead of returning, when the put is one staged call of at most
+        ``inline_max_bytes``: it is staged now, on this thread, and ``done`` runs once, when the call returned or
+        its bound passed (on the client's threads, see ``BoundedMooncakeClient.then``; at once when nothing could be
+        started). False, and nothing done, for any other put: use :meth:`put`."""
+        addresses = self._direct_addresses(payloads)
+        groups = self._put_groups(payloads, addresses)
+        if any(addresses) or len(groups) > 1 or sum(total for _, total in groups) > self.settings.inline_max_bytes:
+            return False
+        codes = [CANCELLED] * len(keys)
+        call, _ = self._start_put(groups[0][0], keys, payloads, addresses, codes, buffers) if groups else (None, False)
+        if call is None:
+            self._answer(done, codes, absent=None)
+            return True
+
+        def answered(got: list[int]) -> None:
+            try:
+                self._put_answered(call, got, payloads, codes)
+            finally:
+                self._answer(done, codes, absent=None)
+
+        self._client.then(call.pending, answered)
+        return True
+
+    def _put_groups(self, payloads: Sequence[memoryview], addresses: list[int | None]) -> list[tuple[list[int], int]]:
+        """The put's calls: index groups of at most ``batch_bytes`` staged (a direct object weighs a
+        ``DIRECT_PUT_SHARE`` of its bytes), each with its weight."""
+        weights = [
+            (HEADER.size + view.nbytes) // (1 if address is None else DIRECT_PUT_SHARE)
+            for view, address in zip(payloads, addresses, strict=True)
+        ]
+        return batch_groups(self.settings.batch_bytes, weights)
+
+    def _start_put(
+        self,
+        group: list[int],
+        keys: Sequence[str],
+        payloads: Sequence[memoryview],
+        addresses: list[int | None],
+        codes: list[int],
+        buffers: CallerBuffers,
+    ) -> tuple[_Call | None, bool]:
+        """Stage ``group`` and submit its write: ``(call, False)``; ``(None, False)`` when the client is not up (its
+        codes ``UNAVAILABLE``); ``(None, True)`` when the hold on ``buffers`` was refused (the put ends)."""
+        direct = any(addresses[i] for i in group)
+        slots = [HEADER.size + (0 if addresses[i] else payloads[i].nbytes) for i in group]
+        buf = self._client.acquire(sum(slots))
+        if buf is None:
+            codes[group[0] : group[-1] + 1] = [UNAVAILABLE] * len(group)
+            return None, False
+        if not buffers.hold():
+            self._client.done_with(buf, [])
+            return None, True
+        call = _Call([], buf, [], [], holding=direct)
+        try:
+            ptrs, sizes = self._stage(call, group, slots, keys, payloads, addresses)
+        except BaseException:
+            buffers.release()
+            self._client.done_with(buf, [])
+            raise
+        if not direct:  # staged: the caller's memory is not read again
+            buffers.release()
+        batch = [keys[i] for i in call.group]
+        if direct:
+            write = partial(_write_parts, keys=batch, ptrs=ptrs, sizes=sizes)
+        else:
+            write = partial(_write, keys=batch, ptrs=[p[0] for p in ptrs], sizes=[s[0] for s in sizes])
+        call.pending = self._client.submit("put", len(batch), write, buf)
+        return call, False
 
     @staticmethod
     def _stage(
@@ -236,6 +294,10 @@ class MooncakeObjectStore:
         got = self._client.wait(call.pending)
         if call.holding:  # a direct write read the caller's memory until now (an abandoned one stores a checksum
             buffers.release()  # of the bytes it was given, so a later change of them fails every read)
+        self._put_answered(call, got, payloads, codes)
+
+    def _put_answered(self, call: _Call, got: list[int], payloads: Sequence[memoryview], codes: list[int]) -> None:
+        """Take a returned write's codes (and its staging buffer back)."""
         self._client.done_with(call.buf, got)
         for i, code, address in zip(call.group, got, call.addresses, strict=True):
             codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
@@ -274,9 +336,7 @@ class MooncakeObjectStore:
                     self._client.done_with(buf, [])
                     continue
             else:
-                call.moved = list(range(len(group)))
-                read = partial(_read, keys=names, buf=buf, offsets=offsets, sizes=slots)
-                call.pending = self._client.submit("get", len(group), read, buf)
+                self._start_staged_read(call, names, slots)
             in_flight.append(call)
         while in_flight:
             self._get_done(in_flight.popleft(), keys, views, codes, corrupt, buffers)
@@ -284,6 +344,60 @@ class MooncakeObjectStore:
         if corrupt:
             self.remove(corrupt)
         return codes
+
+    def get_then(
+        self,
+        keys: Sequence[str],
+        views: Sequence[memoryview],
+        buffers: CallerBuffers,
+        done: Callable[[list[int]], None],
+    ) -> bool:
+        """:meth:`get_into` answering ``done(codes)`` instead of returning, when the read is one staged call of at
+        most ``inline_max_bytes``: it is submitted now, and checked and copied into the views, under a hold of
+        ``buffers``, when the call returns; ``done`` runs once after that (after corrupt objects were removed), on
+        the client's threads (see ``BoundedMooncakeClient.then``; at once when nothing could be started). False,
+        and nothing done, for any other read: use :meth:`get_into`."""
+        sizes = [HEADER.size + view.nbytes for view in views]
+        groups = batch_groups(self.settings.batch_bytes, sizes)
+        direct = self.direct_reads and any(self._direct_addresses(views))
+        if direct or len(groups) > 1 or sum(sizes) > self.settings.inline_max_bytes:
+            return False
+        codes = [CANCELLED] * len(keys)
+        buf = None if not keys or buffers.cancelled() else self._client.acquire(sum(sizes))
+        if buf is None:
+            if codes and not buffers.cancelled():
+                codes = [UNAVAILABLE] * len(keys)
+            self._answer(done, codes, absent=OBJECT_NOT_FOUND)
+            return True
+        call = _Call(list(range(len(keys))), buf, list(itertools.accumulate(sizes[:-1], initial=0)), [None] * len(keys))
+        self._start_staged_read(call, list(keys), sizes)
+        corrupt: list[str] = []
+
+        def answered(got: list[int]) -> None:
+            try:
+                self._got(call, got, keys, views, codes, corrupt, buffers)
+            finally:
+                if corrupt:  # answered once they are gone, as get_into returns
+                    removal = self._client.submit("remove", len(corrupt), partial(_remove, keys=corrupt))
+                    self._client.then(removal, lambda _: self._answer(done, codes, absent=OBJECT_NOT_FOUND))
+                else:
+                    self._answer(done, codes, absent=OBJECT_NOT_FOUND)
+
+        self._client.then(call.pending, answered)
+        return True
+
+    def _start_staged_read(self, call: _Call, names: list[str], slots: list[int]) -> None:
+        """Submit the read of every member of ``call`` into its staging slot."""
+        call.moved = list(range(len(call.group)))
+        read = partial(_read, keys=names, buf=call.buf, offsets=call.offsets, sizes=slots)
+        call.pending = self._client.submit("get", len(call.group), read, call.buf)
+
+    def _answer(self, done: Callable[[list[int]], None], codes: list[int], absent: int | None) -> None:
+        """Count a put's or a read's codes, then hand them to ``done``."""
+        try:
+            self._count(codes, absent=absent)
+        finally:
+            done(codes)
 
     def _start_direct_read(
         self,
@@ -349,7 +463,19 @@ class MooncakeObjectStore:
     ) -> None:
         """Check the objects one call moved; copy the intact staged ones into the caller's views (under a hold: the
         direct call's own, else one taken now; without one, nothing is read)."""
-        got = self._client.wait(call.pending)
+        self._got(call, self._client.wait(call.pending), keys, views, codes, corrupt, buffers)
+
+    def _got(
+        self,
+        call: _Call,
+        got: list[int],
+        keys: Sequence[str],
+        views: Sequence[memoryview],
+        codes: list[int],
+        corrupt: list[str],
+        buffers: CallerBuffers,
+    ) -> None:
+        """:meth:`_get_done` once the call answered ``got``."""
         if any(call.addresses) and got and got[0] == TIMEOUT and not self._direct_reads_off:
             self._direct_reads_off = True
             logger.error(

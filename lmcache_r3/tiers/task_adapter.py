@@ -43,9 +43,10 @@ import itertools
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
@@ -69,6 +70,9 @@ COUNTERS = tuple(
     "loaded_objects load_failures deleted_objects delete_skipped_locked".split()
 )
 """The counters every tier reports under ``report_status()["counters"]``."""
+
+Completion = Callable[[Iterable], None]
+"""How a tier that completes an operation itself (``_put_then`` and the like) hands over its results."""
 
 
 @dataclass(eq=False)
@@ -216,6 +220,24 @@ class TaskL2Adapter(L2AdapterInterface):
         (the caller's thread waits for it to end, even after the watchdog failed it); by default never."""
         return False
 
+    def _put_then(
+        self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any], done: Completion
+    ) -> bool:
+        """Start a put that the tier completes without a worker: ``done(results)`` (``results`` as :meth:`_put`
+        yields them) runs once, on any thread, when it ended. False, and nothing started: the put runs as
+        :meth:`_put` on a worker. Runs on the caller's thread: only short work that cannot stall. By default False."""
+        return False
+
+    def _find_then(self, task: Task, keys: list[ObjectKey], names: list[Hashable], done: Completion) -> bool:
+        """:meth:`_find` as :meth:`_put_then` is :meth:`_put` (the names are locked already). By default False."""
+        return False
+
+    def _get_then(
+        self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any], done: Completion
+    ) -> bool:
+        """:meth:`_get` as :meth:`_put_then` is :meth:`_put`. By default False."""
+        return False
+
     def _cursor(self, name: Hashable) -> str:
         """The ``list_l2_keys`` cursor of ``name``."""
         return str(name)
@@ -235,9 +257,10 @@ class TaskL2Adapter(L2AdapterInterface):
         return self._efds["load"].fileno()
 
     # -- task plumbing -----------------------------------------------------------------------------------------------
-    def _submit(self, kind: str, size: int, job, *args, inline: bool = False) -> L2TaskId:
-        """Register a task and schedule ``job(task, *args)`` (or run it now, on the caller's thread, when ``inline``);
-        never raises, every task completes."""
+    def _submit(self, kind: str, size: int, start, *args) -> L2TaskId:
+        """Register a task and ``start(task, *args)`` it on the caller's thread, which hands it to the tier's own
+        completion, runs it there, or schedules it on a worker (see :meth:`_launch`); never raises, every task
+        completes."""
         task = Task(tid=next(self._ids), kind=kind, size=size)
         with self._lock:
             self._pending[task.tid] = task
@@ -245,15 +268,19 @@ class TaskL2Adapter(L2AdapterInterface):
         try:
             if self._closed:
                 raise RuntimeError(f"{type(self).__name__} is closed")
-            if inline:
-                job(task, *args)  # completes the task (its event fd is signalled before the caller waits on it)
-            else:
-                self._pools[kind].submit(job, task, *args)
+            start(task, *args)
         except Exception as err:
-            logger.warning("%s: could not schedule a %s task: %s", type(self).__name__, kind, err)
+            logger.warning("%s: could not start a %s task: %s", type(self).__name__, kind, err)
             self._count("errors")
             self._finish(task, self._failure(task))
         return task.tid
+
+    def _launch(self, task: Task, inline: bool, job, *args) -> None:
+        """Run ``job(task, *args)`` now, on the caller's thread (``inline``), or on a worker of the task's kind."""
+        if inline:
+            job(task, *args)  # completes the task (its event fd is signalled before the caller waits on it)
+        else:
+            self._pools[task.kind].submit(job, task, *args)
 
     @staticmethod
     def _failure(task: Task) -> Any:
@@ -309,20 +336,28 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- store -------------------------------------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        objects = list(objects)
-        return self._submit(
-            "store", len(keys), self._run_store, list(keys), objects, inline=self._inline("store", len(keys), objects)
-        )
+        return self._submit("store", len(keys), self._start_store, list(keys), list(objects))
 
-    def _run_store(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
-        ok = len(keys) == len(objects)
+    def _start_store(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
+        if len(objects) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
+        names = [self._name(key) for key in keys]
+        done = _once(partial(self._stored, task, keys, names))
+        if not self._put_then(task, keys, names, objects, done):
+            self._launch(task, self._inline("store", len(keys), objects), self._run_store, keys, names, objects, done)
+
+    def _run_store(self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any], done) -> None:
+        done(_lazily(self._put, task, keys, names, objects))
+
+    def _stored(self, task: Task, keys: list[ObjectKey], names: list[Hashable], results: Iterable) -> None:
+        """Account for a put's ``results`` (as :meth:`_put` yields them) and complete its task."""
+        ok = True
         written = 0
         stored_keys: list[ObjectKey] = []
         stored_names: list[Hashable] = []
         stored_sizes: list[int] = []
         try:
-            names = [self._name(key) for key in keys]
-            for i, size, new_bytes in self._put(task, keys, names, objects):
+            for i, size, new_bytes in results:
                 stored_keys.append(keys[i])
                 stored_names.append(names[i])
                 stored_sizes.append(size)
@@ -348,20 +383,30 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- lookup and lock ---------------------------------------------------------------------------------------------
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: Any = None) -> L2TaskId:
-        return self._submit(
-            "lookup", len(keys), self._run_lookup, list(keys), inline=self._inline("lookup", len(keys), None)
-        )
+        return self._submit("lookup", len(keys), self._start_lookup, list(keys))
 
-    def _run_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
-        bitmap = Bitmap(len(keys))
-        names: list[Hashable] = []
+    def _start_lookup(self, task: Task, keys: list[ObjectKey]) -> None:
+        names = [self._name(key) for key in keys]
+        # Locked before the tier is asked: a delete (LMCache's eviction) between a key's check and its lock would
+        # remove a key this lookup reports locked. The keys the tier lacks are released when it answers.
+        doomed = self._acquire(names)
+        done = _once(partial(self._found, task, names, doomed))
+        try:
+            if not self._find_then(task, keys, names, done):
+                self._launch(task, self._inline("lookup", len(keys), None), self._run_lookup, keys, names, done)
+        except BaseException:
+            done(())  # releases the locks (unless the tier answered already)
+            raise
+
+    def _run_lookup(self, task: Task, keys: list[ObjectKey], names: list[Hashable], done) -> None:
+        done(_lazily(self._find, task, keys, names))
+
+    def _found(self, task: Task, names: list[Hashable], doomed: set[int], results: Iterable[int]) -> None:
+        """Take a lookup's ``results`` (as :meth:`_find` yields them), release the misses' locks, complete it."""
+        bitmap = Bitmap(len(names))
         found: set[int] = set()
         try:
-            names = [self._name(key) for key in keys]
-            # Locked before the tier is asked: a delete (LMCache's eviction) between a key's check and its lock would
-            # remove a key this lookup reports locked. The keys the tier lacks are released below.
-            doomed = self._acquire(names)
-            for i in self._find(task, keys, names):
+            for i in results:
                 if i not in doomed:
                     found.add(i)
                     bitmap.set(i)
@@ -370,7 +415,7 @@ class TaskL2Adapter(L2AdapterInterface):
         finally:
             with self._lock:
                 self._counters["lookup_hits"] += len(found)
-                self._counters["lookup_misses"] += len(keys) - len(found)
+                self._counters["lookup_misses"] += len(names) - len(found)
             # The misses are released before the answer is out: once LMCache reads it, the tier holds the locks it
             # reports and no other.
             self._release([name for i, name in enumerate(names) if i not in found])
@@ -406,23 +451,37 @@ class TaskL2Adapter(L2AdapterInterface):
 
     # -- load --------------------------------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        objects = list(objects)
-        return self._submit(
-            "load", len(keys), self._run_load, list(keys), objects, inline=self._inline("load", len(keys), objects)
-        )
+        return self._submit("load", len(keys), self._start_load, list(keys), list(objects))
 
-    def _run_load(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
+    def _start_load(self, task: Task, keys: list[ObjectKey], objects: list[Any]) -> None:
+        if len(objects) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(objects)} objects")
+        names = [self._name(key) for key in keys]
+        with self._lock:  # a key stored again while it is read has a new entry, and stays known
+            seen = {name: self._known.get(name) for name in names}
+        done = _once(partial(self._loaded, task, keys, names, seen))
+        if not self._get_then(task, keys, names, objects, done):
+            self._launch(task, self._inline("load", len(keys), objects), self._run_load, keys, names, objects, done)
+
+    def _run_load(self, task: Task, keys: list[ObjectKey], names: list[Hashable], objects: list[Any], done) -> None:
+        done(_lazily(self._get, task, keys, names, objects))
+
+    def _loaded(
+        self,
+        task: Task,
+        keys: list[ObjectKey],
+        names: list[Hashable],
+        seen: dict[Hashable, Any],
+        results: Iterable[tuple[int, int | None]],
+    ) -> None:
+        """Take a load's ``results`` (as :meth:`_get` yields them), account for them, complete the task."""
         bitmap = Bitmap(len(keys))
         loaded_keys: list[ObjectKey] = []
         loaded_names: list[Hashable] = []
         loaded_sizes: list[int] = []
         vanished: list[Hashable] = []
-        seen: dict[Hashable, Any] = {}
         try:
-            names = [self._name(key) for key in keys]
-            with self._lock:  # a key stored again while it is read has a new entry, and stays known
-                seen = {name: self._known.get(name) for name in names}
-            for i, size in self._get(task, keys, names, objects):
+            for i, size in results:
                 if size is None:
                     vanished.append(names[i])
                 else:
@@ -625,3 +684,19 @@ class TaskL2Adapter(L2AdapterInterface):
             except Exception:
                 pass
         logger.info("%s closed: %s", type(self).__name__, self.report_status())
+
+
+def _once(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, run by the first call only (a task's results are taken once, whichever thread brings them first)."""
+    claim = threading.Lock().acquire
+
+    def once(*args: Any) -> None:
+        if claim(blocking=False):
+            fn(*args)
+
+    return once
+
+
+def _lazily(operation: Callable[..., Iterable], *args: Any) -> Iterator:
+    """``operation(*args)``'s items, called on the first ``next``: the taker's ``try`` covers all of it."""
+    yield from operation(*args)

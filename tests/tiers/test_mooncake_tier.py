@@ -376,7 +376,10 @@ def test_lookups_abandoned_while_the_tier_stalls_share_one_release_thread_and_le
 
     pools = {"num_store_workers": 2, "num_lookup_workers": 1, "num_load_workers": 2}
     abandoned = 12
-    server = start(factory, own_cluster, call_timeout_seconds=30.0, task_timeout_seconds=30.0, **pools)
+    # The monitor never probes again, so the tier does not go down and answer misses at once: every lookup's
+    # existence call goes to the hung master and waits there (4 on the io threads, the others queued behind them).
+    timings = {"call_timeout_seconds": 30.0, "task_timeout_seconds": 30.0, "probe_interval_seconds": 3600}
+    server = start(factory, own_cluster, **timings, **pools)
     try:
         with R3Client(server.url, MODEL, PROFILE, timeout_s=15) as r3:
             tokens, rows = stored_in_the_tier_only(server, r3, 309)
@@ -388,8 +391,8 @@ def test_lookups_abandoned_while_the_tier_stalls_share_one_release_thread_and_le
                 module = server.status()["lmcache_r3"]
                 assert module["prefetch_timeouts"] == abandoned and module["abandoned_prefetches"] == abandoned
                 # New threads: the release thread, and the tier's pools may start the workers they had not yet
-                # (while every task stalls, each submission finds its pool's threads busy); one thread per
-                # abandoned prefetch would be `abandoned` more.
+                # (the tier's io threads run from its start); one thread per abandoned prefetch would be
+                # `abandoned` more.
                 added = _threads(server.process.pid) - threads
                 bound = 1 + sum(pools.values())
                 assert len(added) <= bound < abandoned, f"{len(added)} threads more for {abandoned} abandoned lookups"
@@ -596,6 +599,111 @@ def test_a_stalled_mooncake_call_is_abandoned_within_its_bound_and_never_writes_
     client._native = faulty._client
     wait_for(lambda: adapter.report_status()["is_healthy"], 5, "healthy again")
     assert _load(adapter, 3, into) == 1 and into.data == payload
+
+
+# -- small tasks completed on the client's call threads ---------------------------------------------------------------
+def _answers(client, n: int, fn, bound_s: float | None = None) -> tuple[list, threading.Event]:
+    """``client.then`` on a call of ``fn``: the list its callback appends ``(codes, thread name)`` to, and an event
+    set on its first answer."""
+    answers: list = []
+    first = threading.Event()
+
+    def callback(codes):
+        answers.append((codes, threading.current_thread().name))
+        first.set()
+
+    client.then(client.submit("test call", n, fn, bound_s=bound_s), callback)
+    return answers, first
+
+
+def test_a_calls_callback_answers_once_with_its_codes_or_a_failure_code(adapter):
+    from lmcache_r3.tiers.mooncake_client import EXCEPTION, OBJECT_NOT_FOUND
+
+    client = adapter._store._client
+    answers, first = _answers(client, 2, lambda native: [0, OBJECT_NOT_FOUND])
+    assert first.wait(5) and answers == [([0, OBJECT_NOT_FOUND], answers[0][1])]
+    assert answers[0][1].startswith("mooncake-io"), "the callback did not run on the thread that made the call"
+    for fn in (lambda native: 1 / 0, lambda native: [0]):  # it raises; it answers one code for two keys
+        answers, first = _answers(client, 2, fn)
+        assert first.wait(5) and answers[0][0] == [EXCEPTION, EXCEPTION]
+    time.sleep(0.1)
+    assert client.stats()["exceptions"] == 2 and client.state == "up"
+
+
+def test_a_stalled_calls_callback_answers_timeout_at_its_bound_and_never_again(adapter):
+    from lmcache_r3.tiers.mooncake_client import TIMEOUT
+
+    client = adapter._store._client
+    release = threading.Event()
+    began = time.monotonic()
+    answers, first = _answers(client, 3, lambda native: release.wait(10) and [0, 0, 0], bound_s=0.3)
+    assert first.wait(5)
+    took = time.monotonic() - began
+    assert 0.3 <= took < 1.0, f"a call bound to 0.3 s was answered after {took:.2f} s"
+    assert answers == [([TIMEOUT] * 3, "mooncake-deadlines")]
+    assert client.stats()["timeouts"] == 1 and client.state == "down"
+    release.set()  # the call returns late: its callback was answered already
+    time.sleep(0.2)
+    assert len(answers) == 1
+
+
+def test_callbacks_still_waiting_when_the_client_closes_are_answered_cancelled(mooncake_cluster, monkeypatch):
+    from lmcache_r3.tiers.mooncake_client import CANCELLED, BoundedMooncakeClient
+    from lmcache_r3.tiers.mooncake_config import settings_from_params
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    client = BoundedMooncakeClient(settings_from_params(mooncake_tier(mooncake_cluster)["adapter_params"]))
+    release = threading.Event()
+    try:
+        wait_for(lambda: client.state == "up", 10, "connected to the master")
+        answers, first = _answers(client, 1, lambda native: release.wait(10) and [0], bound_s=60)
+        client.close()
+        assert first.wait(5) and answers[0][0] == [CANCELLED]
+    finally:
+        release.set()
+        client.close()
+
+
+@pytest.mark.parametrize("inline_max_bytes", [None, 0])
+def test_small_tasks_complete_on_the_clients_call_thread_unless_inline_is_off(
+    mooncake_cluster, monkeypatch, inline_max_bytes
+):
+    """An R3-sized store and load are staged on the submitting thread and completed by the thread that made the
+    Mooncake call (no store or load worker between them); with ``inline_max_bytes: 0`` the workers run them. A
+    lookup's existence query is always answered on the call thread. Either way the bytes come back equal."""
+    from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
+
+    for name, value in MOONCAKE_ENV.items():
+        monkeypatch.setenv(name, value)
+    extra = {} if inline_max_bytes is None else {"inline_max_bytes": inline_max_bytes}
+    tier = MooncakeL2Adapter(mooncake_tier(mooncake_cluster, **extra)["adapter_params"])
+    signalled: dict[str, str] = {}
+    signal_kind = tier._signal
+
+    def recording(kind):
+        signalled[kind] = threading.current_thread().name
+        signal_kind(kind)
+
+    monkeypatch.setattr(tier, "_signal", recording)
+    try:
+        wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
+        payloads = [_r3_payload(40 + i) for i in range(4)]
+        assert _store_objects(tier, 40, [CallerBuffer(p) for p in payloads])
+        keys = [_key(40 + i) for i in range(4)]
+        task = tier.submit_lookup_and_lock_task(keys, {})
+        hits = completed(tier.get_lookup_and_lock_event_fd(), lambda: tier.query_lookup_and_lock_result(task))
+        assert hits.popcount() == 4
+        into = [CallerBuffer(bytes(len(p))) for p in payloads]
+        assert _load_objects(tier, 40, into) == 4 and [b.data for b in into] == payloads
+        tier.submit_unlock(keys)
+        assert tier.report_status()["locked_keys"] == 0
+    finally:
+        tier.close()
+    inline = inline_max_bytes is None
+    assert signalled["lookup"].startswith("mooncake-io")
+    assert signalled["store"].startswith("mooncake-io" if inline else "mooncake-l2-store"), signalled
+    assert signalled["load"].startswith("mooncake-io" if inline else "mooncake-l2-load"), signalled
 
 
 # -- objects that move straight between LMCache's L1 and Mooncake ---------------------------------------------------

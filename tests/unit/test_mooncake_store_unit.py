@@ -13,8 +13,9 @@ import xxhash
 from lmcache.v1.distributed.api import ObjectKey
 
 from lmcache_r3.launch import LOOPBACK, free_port
+from lmcache_r3.tiers.holds import UNHELD
 from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter, mooncake_key
-from lmcache_r3.tiers.mooncake_client import UNAVAILABLE, describe
+from lmcache_r3.tiers.mooncake_client import UNAVAILABLE, _Deadlines, describe
 from lmcache_r3.tiers.mooncake_config import (
     MooncakeTierConfigError,
     mooncake_config,
@@ -197,12 +198,66 @@ def test_without_a_master_every_call_answers_unavailable_at_once():
         assert store.put(["a"], [memoryview(b"x")]) == [UNAVAILABLE]
         into = bytearray(4)
         assert store.get_into(["a"], [memoryview(into)]) == [UNAVAILABLE] and into == bytearray(4)
+        answered: list = []
+        store.exists_then(["a"], answered.append)
+        assert store.put_then(["a"], [memoryview(b"x")], UNHELD, answered.append)
+        assert store.get_then(["a"], [memoryview(into)], UNHELD, answered.append)
+        assert answered == [[UNAVAILABLE]] * 3 and into == bytearray(4), "the callbacks were not answered at once"
         assert time.monotonic() - began < 0.5
         stats = store.stats()
         assert stats["state"] == "connecting" and "waiting for the master" in stats["reason"]
-        assert stats["errors_by_code"] == {describe(UNAVAILABLE): 4}
+        assert stats["errors_by_code"] == {describe(UNAVAILABLE): 7}
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("params", "sizes", "answered_by_callback"),
+    [
+        ({}, [96 << 10] * 16, True),  # a batch of R3 objects: one staged call
+        ({"inline_max_bytes": 0}, [96 << 10], False),  # off
+        ({"inline_max_bytes": "1MB"}, [96 << 10] * 16, False),  # more than inline_max_bytes
+        ({"batch_bytes": 1 << 20}, [600 << 10] * 2, False),  # two calls
+        ({}, [], True),  # nothing to do: answered at once
+    ],
+)
+def test_only_a_put_or_read_of_one_small_staged_call_is_answered_by_callback(params, sizes, answered_by_callback):
+    master = {**MOONCAKE, "master_server_address": f"{LOOPBACK}:{free_port()}"}
+    store = MooncakeObjectStore(
+        settings_from_params({"mooncake": master, "master_metrics_port": free_port(), **params})
+    )
+    try:
+        views = [memoryview(bytearray(size)) for size in sizes]
+        keys = [f"k{i}" for i in range(len(sizes))]
+        answered: list = []
+        assert store.put_then(keys, views, UNHELD, answered.append) is answered_by_callback
+        assert store.get_then(keys, views, UNHELD, answered.append) is answered_by_callback
+        assert answered == ([[UNAVAILABLE] * len(sizes)] * 2 if answered_by_callback else [])
+    finally:
+        store.close()
+
+
+def test_deadlines_run_in_time_order_and_those_left_run_at_close():
+    deadlines = _Deadlines("test-deadlines", slack_s=0.01, idle_s=0.05)
+    ran: list = []
+    now = time.monotonic()
+    for name, after in (("c", 0.30), ("a", 0.05), ("b", 0.15), ("later", 60.0)):
+        deadlines.add(now + after, lambda closing, name=name: ran.append((name, closing)))
+    time.sleep(0.6)
+    assert ran == [("a", False), ("b", False), ("c", False)]
+    deadlines.close()
+    deadlines.add(time.monotonic() + 60, lambda closing: ran.append(("after close", closing)))
+    assert ran[3:] == [("later", True), ("after close", True)]
+
+
+def test_a_deadline_runs_no_earlier_than_its_time():
+    deadlines = _Deadlines("test-deadlines", slack_s=0.01, idle_s=1.0)
+    ran = []
+    due = time.monotonic() + 0.2
+    deadlines.add(due, lambda closing: ran.append(time.monotonic()))
+    time.sleep(0.5)
+    deadlines.close()
+    assert len(ran) == 1 and due <= ran[0] < due + 0.2, "a deadline ran early, or late past its slack and a margin"
 
 
 def test_an_adapter_without_a_master_starts_unhealthy_and_answers_lookups_with_misses():

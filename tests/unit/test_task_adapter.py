@@ -97,6 +97,27 @@ class DictTier(TaskL2Adapter):
         return names
 
 
+class CompletingDictTier(DictTier):
+    """The same tier completing its operations itself, as the Mooncake tier does for small ones: each runs on a
+    thread of the tier's own and hands its results to the adapter's completion, with no adapter worker involved."""
+
+    def _later(self, done, operation, *args) -> bool:
+        def results():
+            yield from operation(*args)  # run on the tier's thread, inside the completion's own error handling
+
+        threading.Thread(target=done, args=(results(),), name="dict-tier-own", daemon=True).start()
+        return True
+
+    def _put_then(self, task, keys, names, objects, done):
+        return self._later(done, self._put, task, keys, names, objects)
+
+    def _find_then(self, task, keys, names, done):
+        return self._later(done, self._find, task, keys, names)
+
+    def _get_then(self, task, keys, names, objects, done):
+        return self._later(done, self._get, task, keys, names, objects)
+
+
 def key(i: int) -> ObjectKey:
     return ObjectKey(chunk_hash=bytes([i]) * 32, model_name="tiny-moe", kv_rank=0, object_group_id=0)
 
@@ -118,12 +139,15 @@ def memory():
         obj.ref_count_down()
 
 
-@pytest.fixture
-def tier():
-    adapter = DictTier()
+@pytest.fixture(params=[DictTier, CompletingDictTier], ids=["on workers", "completed by the tier"])
+def tier(request):
+    """Every contract test runs twice: tasks on the adapter's workers, and tasks the tier completes itself."""
+    adapter = request.param()
     yield adapter
     adapter.gate.set()
     adapter.close()
+    if request.param is CompletingDictTier:
+        assert not any(pool._threads for pool in adapter._pools.values()), "a task went to an adapter worker"
 
 
 def store(tier, keys, objects):
@@ -300,3 +324,39 @@ def test_close_fails_a_stuck_task_and_later_submits_complete_as_failed(memory):
     assert tier.query_load_result(late).popcount() == 0
     assert not tier.report_status()["is_healthy"]
     tier.gate.set()
+
+
+class AnsweringTwiceTier(DictTier):
+    """A tier whose own completion hands over a lookup's results twice, or raises once it has locked the keys."""
+
+    raise_after_start = False
+
+    def _find_then(self, task, keys, names, done):
+        if self.raise_after_start:
+            raise RuntimeError("injected: the tier failed to start the lookup")
+        found = list(self._find(task, keys, names))
+        done(iter(found))
+        done(iter(found))
+        return True
+
+
+@pytest.mark.parametrize("raise_after_start", [False, True], ids=["answered twice", "raised after locking"])
+def test_a_tier_completing_a_lookup_itself_completes_it_once_and_keeps_only_the_reported_locks(
+    memory, raise_after_start
+):
+    tier = AnsweringTwiceTier()
+    try:
+        assert store(tier, [key(1), key(2)], [memory(b"a" * 8), memory(b"b" * 8)]).is_successful()
+        tier.raise_after_start = raise_after_start
+        hits = lookup(tier, [key(1), key(3), key(2)])
+        status = tier.report_status()
+        if raise_after_start:
+            assert hits.popcount() == 0 and status["locked_keys"] == 0 and status["counters"]["errors"] == 1
+        else:
+            assert hits.popcount() == 2 and status["locked_keys"] == 2
+            assert (status["counters"]["lookup_hits"], status["counters"]["lookup_misses"]) == (2, 1)
+            tier.submit_unlock([key(1), key(2)])
+            assert tier.report_status()["locked_keys"] == 0
+        assert status["pending_tasks"] == 0 and tier.query_lookup_and_lock_result(2) is None
+    finally:
+        tier.close()
