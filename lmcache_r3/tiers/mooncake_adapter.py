@@ -13,7 +13,9 @@ Loaded by LMCache's stock plugin factory::
 * ``mooncake``: the Mooncake client config; without it ``MOONCAKE_CONFIG_PATH`` is read. A missing or bad setting
   fails the adapter's construction with :class:`MooncakeTierConfigError` (the server refuses to start and says why).
 * ``master_metrics_port`` (9003) or ``master_health_url``; ``call_timeout_seconds`` (2), ``probe_interval_seconds``
-  (0.5), ``retry_after_seconds`` (2), ``batch_bytes`` (64 MiB), ``num_io_threads`` (4).
+  (0.5), ``retry_after_seconds`` (2), ``batch_bytes`` (64 MiB), ``batch_max_objects`` (256), ``num_io_threads`` (4);
+  ``2 * num_io_threads * batch_max_objects`` may be at most 2048 (Mooncake fails every transfer of a client with
+  more parts than that in flight).
 * ``key_prefix`` (``"lmcache_r3/"``): namespaces this tier's keys in a shared Mooncake.
 * ``capacity_bytes`` (0): passed to LMCache as ``max_capacity_bytes`` so an ``"eviction"`` policy can evict ahead of
   Mooncake's own eviction (0: leave eviction to Mooncake).
@@ -24,6 +26,9 @@ Loaded by LMCache's stock plugin factory::
 * ``unhealthy_for_seconds`` (5): status stays unhealthy this long after a timeout, an exception or a failed task.
 * ``num_store_workers`` / ``num_lookup_workers`` / ``num_load_workers`` (2 / 1 / 2).
 * ``zero_copy_min_bytes`` (512 KiB): objects at least this big are written straight from L1 to Mooncake.
+* ``inline_max_bytes`` (4 MiB): a store or load of at most this many bytes that is one staged call (R3 chunks) is
+  staged on the submitting thread and completed on the Mooncake client's call thread, with no store or load worker
+  in between; lookups always complete there. 0: every store and load runs on a worker.
 * ``direct_reads`` (true), ``direct_read_max_seconds`` (60), ``transfer_progress_timeout_seconds`` (2): read such
   objects straight into L1 as well; a transfer into L1 is never abandoned while it may still write there (see
   :mod:`lmcache_r3.tiers.mooncake_store`).

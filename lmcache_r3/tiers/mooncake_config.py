@@ -52,6 +52,7 @@ STORE_PARAMS = frozenset(
         "probe_interval_seconds",
         "retry_after_seconds",
         "batch_bytes",
+        "batch_max_objects",
         "num_io_threads",
         "zero_copy_min_bytes",
         "inline_max_bytes",
@@ -61,6 +62,11 @@ STORE_PARAMS = frozenset(
     }
 )
 """The ``adapter_params`` keys :func:`settings_from_params` reads."""
+
+
+MAX_PARTS_IN_FLIGHT = 2048
+"""Most transfer parts one Mooncake client keeps in flight here: 4 concurrent calls of 512 staged objects each
+succeed, 4 of 1024 (or one of 3000) fail with ``TRANSFER_FAIL`` (Mooncake 0.3.13.post1, TCP transport)."""
 
 
 class MooncakeTierConfigError(ValueError):
@@ -83,6 +89,11 @@ class MooncakeTierSettings:
     """After a timeout or ``RPC_FAIL``, calls fail fast for at least this long."""
     batch_bytes: int = 64 << 20
     """Largest staging buffer one call uses; bigger batches are split (a bigger object gets its own)."""
+    batch_max_objects: int = 256
+    """Most objects one transfer call moves; bigger batches are split. Mooncake's transfer engine fails every
+    transfer of a client that has more than about 2048 parts (a staged object is one, a direct one two) in flight at
+    once (``TRANSFER_FAIL``, and its reads then stall for up to a minute), so ``2 * num_io_threads *
+    batch_max_objects`` may be at most :data:`MAX_PARTS_IN_FLIGHT`."""
     num_io_threads: int = 4
     zero_copy_min_bytes: int = 512 << 10
     """Objects at least this big that lie in the registered L1 region move without staging; smaller ones are staged
@@ -249,4 +260,17 @@ def settings_from_params(params: Mapping[str, Any]) -> MooncakeTierSettings:
         if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 64:
             raise MooncakeTierConfigError(f"adapter_params.num_io_threads must be an int in 1..64, got {threads!r}")
         values["num_io_threads"] = threads
+    if "batch_max_objects" in params:
+        count = params["batch_max_objects"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise MooncakeTierConfigError(f"adapter_params.batch_max_objects must be an int >= 1, got {count!r}")
+        values["batch_max_objects"] = count
+    threads = values.get("num_io_threads", MooncakeTierSettings.num_io_threads)
+    count = values.get("batch_max_objects", MooncakeTierSettings.batch_max_objects)
+    if 2 * threads * count > MAX_PARTS_IN_FLIGHT:
+        raise MooncakeTierConfigError(
+            f"adapter_params.num_io_threads ({threads}) x batch_max_objects ({count}) may keep {2 * threads * count} "
+            f"transfer parts in flight, and Mooncake fails every transfer of a client past about "
+            f"{MAX_PARTS_IN_FLIGHT}; lower one so that 2 x num_io_threads x batch_max_objects <= {MAX_PARTS_IN_FLIGHT}"
+        )
     return MooncakeTierSettings(mooncake=config, health_url=health_url, **values)

@@ -45,8 +45,10 @@ object moves one of two ways:
 Why both: a copy costs ~1.3 ms per 24 MiB KV object here and dominates its move, while for a 96 KiB R3 object one
 transfer slice is cheaper than two (header and payload) and its copy costs a few microseconds.
 
-A corrupt object is counted as ``CORRUPT`` and removed. Batches are split so one call moves at most ``batch_bytes``
-(a bigger object goes alone; direct writes ``DIRECT_PUT_SHARE`` times that, one call at a time), and pipelined: while
+A corrupt object is counted as ``CORRUPT`` and removed. Batches are split so one call moves at most
+``batch_max_objects`` objects (Mooncake fails every transfer of a client with more than ~2048 parts in flight) and
+at most ``batch_bytes`` (a bigger object goes alone; direct writes ``DIRECT_PUT_SHARE`` times that, one call at a
+time), and pipelined: while
 a call transfers, the batch before it is checked and copied out (read) or the batch after it is staged or hashed
 (write). Objects of any size round-trip, whatever the client's
 ``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls them).
@@ -214,13 +216,13 @@ class MooncakeObjectStore:
         return True
 
     def _put_groups(self, payloads: Sequence[memoryview], addresses: list[int | None]) -> list[tuple[list[int], int]]:
-        """The put's calls: index groups of at most ``batch_bytes`` staged (a direct object weighs a
-        ``DIRECT_PUT_SHARE`` of its bytes), each with its weight."""
+        """The put's calls: index groups of at most ``batch_max_objects`` and ``batch_bytes`` staged (a direct
+        object weighs a ``DIRECT_PUT_SHARE`` of its bytes), each with its weight."""
         weights = [
             (HEADER.size + view.nbytes) // (1 if address is None else DIRECT_PUT_SHARE)
             for view, address in zip(payloads, addresses, strict=True)
         ]
-        return batch_groups(self.settings.batch_bytes, weights)
+        return batch_groups(self.settings.batch_bytes, weights, self.settings.batch_max_objects)
 
     def _start_put(
         self,
@@ -317,7 +319,8 @@ class MooncakeObjectStore:
         corrupt: list[str] = []
         addresses = self._direct_addresses(views) if self.direct_reads else [None] * len(views)
         in_flight: deque[_Call] = deque()
-        for group, _ in batch_groups(self.settings.batch_bytes, [HEADER.size + view.nbytes for view in views]):
+        sizes = [HEADER.size + view.nbytes for view in views]
+        for group, _ in batch_groups(self.settings.batch_bytes, sizes, self.settings.batch_max_objects):
             if len(in_flight) >= self._client.max_in_flight:
                 self._get_done(in_flight.popleft(), keys, views, codes, corrupt, buffers)
             if buffers.cancelled():
@@ -358,7 +361,7 @@ class MooncakeObjectStore:
         the client's threads (see ``BoundedMooncakeClient.then``; at once when nothing could be started). False,
         and nothing done, for any other read: use :meth:`get_into`."""
         sizes = [HEADER.size + view.nbytes for view in views]
-        groups = batch_groups(self.settings.batch_bytes, sizes)
+        groups = batch_groups(self.settings.batch_bytes, sizes, self.settings.batch_max_objects)
         direct = self.direct_reads and any(self._direct_addresses(views))
         if direct or len(groups) > 1 or sum(sizes) > self.settings.inline_max_bytes:
             return False
@@ -579,16 +582,17 @@ class MooncakeObjectStore:
             self._stats[name] += n
 
 
-def batch_groups(limit: int, sizes: Sequence[int]) -> list[tuple[list[int], int]]:
-    """Consecutive index groups with their total size, each at most ``limit`` unless one item alone exceeds it.
+def batch_groups(limit: int, sizes: Sequence[int], max_items: int) -> list[tuple[list[int], int]]:
+    """Consecutive index groups with their total size, each of at most ``max_items`` items and at most ``limit``
+    in size unless one item alone exceeds it.
 
-    E.g. ``batch_groups(10, [4, 4, 4, 20, 1]) == [([0, 1], 8), ([2], 4), ([3], 20), ([4], 1)]``.
+    E.g. ``batch_groups(10, [4, 4, 4, 20, 1], 8) == [([0, 1], 8), ([2], 4), ([3], 20), ([4], 1)]``.
     """
     groups: list[tuple[list[int], int]] = []
     members: list[int] = []
     total = 0
     for i, size in enumerate(sizes):
-        if members and total + size > limit:
+        if members and (total + size > limit or len(members) >= max_items):
             groups.append((members, total))
             members, total = [], 0
         members.append(i)
@@ -659,7 +663,9 @@ def _exists(native: Any, keys: list[str]) -> list[int]:
 
 
 def _remove(native: Any, keys: list[str]) -> list[int]:
-    return [native.remove(key, True) for key in keys]
+    """One master call for the whole batch (a remove per key costs a round trip each: 64 keys took 12 ms here,
+    ``batch_remove`` 0.4 ms); per key 0 or a code (-704: already gone)."""
+    return native.batch_remove(keys, True) if keys else []
 
 
 def _write(native: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:

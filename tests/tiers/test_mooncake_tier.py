@@ -553,12 +553,42 @@ def test_eviction_removes_an_object_from_mooncake_but_never_a_locked_one(adapter
     assert status["evictions"] == 1 and status["objects"] == 0 and status["bytes"] == 0 and status["locked_keys"] == 0
 
 
+def test_a_batch_of_thousands_of_objects_stores_loads_byte_equal_and_is_evicted(adapter, mooncake_store):
+    # Mooncake fails every transfer of a client with more than ~2048 objects in flight, so the tier splits a batch
+    # by object count as well as by bytes; LMCache's eviction thread deletes in batches too, and a delete is one
+    # Mooncake call bounded by call_timeout_seconds (1 s here), so it must not cost a master round trip per key.
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    keys = [ObjectKey(i.to_bytes(32, "big"), MODEL, 0, 0) for i in range(1000, 5000)]
+    payloads = [os.urandom(64) for _ in keys]
+    task = adapter.submit_store_task(keys, [CallerBuffer(payload) for payload in payloads])
+    stored = completed(adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task))
+    assert stored.is_successful()
+    names = [mooncake_key(key, adapter._prefix) for key in keys]
+    assert mooncake_store.batch_is_exist(names) == [1] * len(names)
+
+    into = [CallerBuffer(bytes(64)) for _ in keys]
+    task = adapter.submit_load_task(keys, into)
+    assert completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount() == len(keys)
+    assert [bytes(buffer.data) for buffer in into] == payloads
+
+    removed_already = names[::2]  # gone by other means (Mooncake's own eviction) before LMCache evicts them
+    assert all(code == 0 for code in mooncake_store.batch_remove(removed_already, True))
+    adapter.delete(keys)
+    assert mooncake_store.batch_is_exist(names) == [0] * len(names)
+    status = adapter.report_status()
+    assert status["call_timeouts"] == 0 and status["state"] == "up", status
+    assert status["objects"] == 0 and status["bytes"] == 0 and status["evictions"] == len(keys), status
+
+
 def test_a_throwing_mooncake_client_turns_every_task_into_a_prompt_miss(adapter):
     payload = os.urandom(4096)
     assert _store(adapter, 1, payload)
     client = adapter._store._client
     client._native = _FaultyClient(
-        client._native, ("batch_is_exist", "batch_get_into", "batch_put_from", "remove"), "raise"
+        client._native, ("batch_is_exist", "batch_get_into", "batch_put_from", "batch_remove"), "raise"
     )
 
     (hits, took) = timed(lambda: _lookup(adapter, 1))

@@ -112,6 +112,33 @@ def test_the_health_url_needs_a_host_port_master_or_an_explicit_url():
         settings_from_params({"mooncake": MOONCAKE, "call_timeout_seconds": 0})
 
 
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({}, 256),
+        ({"batch_max_objects": 64}, 64),
+        ({"batch_max_objects": 1024, "num_io_threads": 1}, 1024),
+        ({"batch_max_objects": 128, "num_io_threads": 8}, 128),
+    ],
+)
+def test_a_call_moves_at_most_batch_max_objects(params, expected):
+    assert settings_from_params({"mooncake": MOONCAKE, **params}).batch_max_objects == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"batch_max_objects": 0}, r"batch_max_objects must be an int >= 1, got 0"),
+        ({"batch_max_objects": "many"}, r"batch_max_objects must be an int >= 1, got 'many'"),
+        ({"batch_max_objects": 512}, r"num_io_threads \(4\) x batch_max_objects \(512\) .* 4096 transfer parts"),
+        ({"num_io_threads": 16}, r"num_io_threads \(16\) x batch_max_objects \(256\) .* lower one"),
+    ],
+)
+def test_more_transfer_parts_in_flight_than_mooncake_survives_are_refused(params, message):
+    with pytest.raises(MooncakeTierConfigError, match=message):
+        settings_from_params({"mooncake": MOONCAKE, **params})
+
+
 def test_the_adapter_refuses_an_unknown_parameter_listing_the_known_ones():
     with pytest.raises(
         MooncakeTierConfigError, match=r"unknown adapter_params \['capacity'\]; known: .*capacity_bytes"
@@ -147,16 +174,21 @@ def test_an_intact_object_of_another_key_is_never_served():
 
 
 @pytest.mark.parametrize(
-    ("sizes", "expected"),
+    ("sizes", "max_items", "expected"),
     [
-        ([], []),
-        ([4, 4, 4, 20, 1], [([0, 1], 8), ([2], 4), ([3], 20), ([4], 1)]),
-        ([10, 10], [([0], 10), ([1], 10)]),
-        ([1] * 5, [([0, 1, 2, 3, 4], 5)]),
+        ([], 8, []),
+        ([4, 4, 4, 20, 1], 8, [([0, 1], 8), ([2], 4), ([3], 20), ([4], 1)]),
+        ([10, 10], 8, [([0], 10), ([1], 10)]),
+        ([1] * 5, 8, [([0, 1, 2, 3, 4], 5)]),
+        ([1] * 5, 2, [([0, 1], 2), ([2, 3], 2), ([4], 1)]),  # the count ends a group before the size does
+        ([1] * 4, 1, [([0], 1), ([1], 1), ([2], 1), ([3], 1)]),
+        ([4, 4, 4, 1], 3, [([0, 1], 8), ([2, 3], 5)]),  # the size ends the first group, the count never does
     ],
 )
-def test_batches_stage_at_most_the_limit_unless_one_object_alone_exceeds_it(sizes, expected):
-    assert batch_groups(10, sizes) == expected
+def test_batches_stage_at_most_the_limit_and_the_object_count_unless_one_object_alone_exceeds_it(
+    sizes, max_items, expected
+):
+    assert batch_groups(10, sizes, max_items) == expected
 
 
 def test_distinct_object_keys_get_distinct_mooncake_keys():
