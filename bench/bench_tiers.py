@@ -838,8 +838,10 @@ def report(command: str, args, kinds: list[Kind], results: dict[str, dict[str, F
                 if max(floor.put_gbps / raw.put_gbps, floor.get_gbps / raw.get_gbps) > 1
                 else ""
             )
-            + ". The tier adds to that a copy into staging, the hand-off of each task to a worker thread and of each "
-            "Mooncake call to the client's call thread (which bounds how long anything waits). The two tier rows "
+            + ". The tier adds to that a copy into staging and the hand-off of each Mooncake call to the client's "
+            "call thread, which bounds how long anything waits (a task of at most the tier's `inline_max_bytes`, "
+            "4 MiB, such as this batch, is staged on the thread that submits it and completes on that call thread, "
+            "with no worker in between; the x128 batch goes through a worker). The two tier rows "
             f"run the same code for these objects (both stage them): {ms(tier.put_ms)} and {ms(staged.put_ms)} "
             "for the put, which shows how much the same call varies between two clients in one process on this "
             "machine.",
