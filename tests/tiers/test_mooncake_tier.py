@@ -571,7 +571,14 @@ def test_a_batch_of_thousands_of_objects_stores_loads_byte_equal_and_is_evicted(
 
     into = [CallerBuffer(bytes(64)) for _ in keys]
     task = adapter.submit_load_task(keys, into)
-    assert completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)).popcount() == len(keys)
+    loaded = completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+    # The test master's read lease is 200 ms: on a busy machine a call of 256 reads can outlast it, and Mooncake
+    # then fails those reads (LEASE_EXPIRED), a miss LMCache recomputes. Such misses are loaded once more.
+    missed = [i for i in range(len(keys)) if not loaded.test(i)]
+    if missed:
+        task = adapter.submit_load_task([keys[i] for i in missed], [into[i] for i in missed])
+        again = completed(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+        assert again.popcount() == len(missed), f"{len(missed)} objects missed twice"
     assert [bytes(buffer.data) for buffer in into] == payloads
 
     removed_already = names[::2]  # gone by other means (Mooncake's own eviction) before LMCache evicts them
