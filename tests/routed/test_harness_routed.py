@@ -22,7 +22,7 @@ from lmcache_r3.output import (
     decode_routed_experts,
     token_fingerprint,
 )
-from tests.support.harness import BLOCK_SIZE, kv_lookup_answer, locks_stay, lookup, wait_locks
+from tests.support.harness import BLOCK_SIZE, kv_lookup_answer, locks_stay, lookup, wait_joint_answers, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -146,20 +146,7 @@ def preempted_requests_return_exact_rows(harness) -> None:
     # Admit all three together: a request is admitted once both its KV lookup and its R3 fetch answered, and a
     # harness step takes microseconds, so one answered late (a busy machine) would start many steps after the others
     # and the first could finish before the last grows, with nothing preempted.
-    connector = harness.scheduler.connector
-    adapter, book, deadline = connector.scheduler_adapter, connector.routed, time.monotonic() + 30
-
-    def unanswered() -> list[str]:
-        return [
-            r
-            for r in requests
-            if adapter.check_lookup_result(r) is None or book.fetch_pending(harness.scheduler.requests[r])
-        ]
-
-    while unanswered() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not unanswered(), f"lookups or R3 fetches of {unanswered()} did not answer within 30 s"
-    answered = {r: adapter.check_lookup_result(r) for r in requests}
+    answered = wait_joint_answers(harness, list(requests))
     first_scheduled: dict[str, int] = {}
     while harness.busy():
         out = harness.step()
@@ -233,7 +220,7 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
     fetches = connector.routed.counters.values["fetches"]
     harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
     harness.step()  # submits its lookup
-    kv_lookup_answer(connector.scheduler_adapter, "waiting")  # answered while the first still runs
+    wait_joint_answers(harness, ["waiting"])  # KV and R3 answered while the first still runs
     harness.run_until_idle()
     assert asks["waiting"] >= 3, f"the hit was meant to wait for blocks (answered asks: {asks['waiting']})"
     assert connector.routed.counters.values["fetches"] == fetches + 1

@@ -697,6 +697,29 @@ def kv_lookup_answer(adapter, request_id: str, timeout_s: float = 20.0) -> int:
     return hit
 
 
+def wait_joint_answers(harness, request_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, int]:
+    """The KV hits of ``request_ids`` once both LMCache's KV lookup and the R3 fetch of each answered.
+
+    vLLM admits a request only when both did, and a harness step takes microseconds: a test that needs a request
+    admitted at a given point (while another still runs) waits here first, or a slow answer on a busy machine
+    lets the other run to its end.
+    """
+    connector = harness.scheduler.connector
+    adapter, book, deadline = connector.scheduler_adapter, connector.routed, time.monotonic() + timeout_s
+
+    def unanswered() -> list[str]:
+        return [
+            r
+            for r in request_ids
+            if adapter.check_lookup_result(r) is None or book.fetch_pending(harness.scheduler.requests[r])
+        ]
+
+    while unanswered() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not unanswered(), f"lookups or R3 fetches of {unanswered()} did not answer within {timeout_s} s"
+    return {r: adapter.check_lookup_result(r) for r in request_ids}
+
+
 def wait_for(read: Callable[[], int], expected: int, timeout_s: float) -> int:
     """``read()`` once it returns ``expected`` (or whatever it returns after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
