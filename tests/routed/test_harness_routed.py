@@ -22,7 +22,7 @@ from lmcache_r3.output import (
     decode_routed_experts,
     token_fingerprint,
 )
-from tests.support.harness import BLOCK_SIZE, kv_lookup_answer, locks_stay, lookup, wait_joint_answers, wait_locks
+from tests.support.harness import BLOCK_SIZE, ask_until_answered, kv_lookup_answer, locks_stay, lookup, wait_locks
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -142,11 +142,10 @@ def preempted_requests_return_exact_rows(harness) -> None:
     preempted: set[str] = set()
     for request_id, tokens in requests.items():
         harness.add_request(request_id, tokens, max_tokens=60)
-    harness.step()  # submits the three LMCache lookups and, with the step's schedule, their R3 fetches
     # Admit all three together: a request is admitted once both its KV lookup and its R3 fetch answered, and a
     # harness step takes microseconds, so one answered late (a busy machine) would start many steps after the others
     # and the first could finish before the last grows, with nothing preempted.
-    answered = wait_joint_answers(harness, list(requests))
+    answered = ask_until_answered(harness, list(requests))
     first_scheduled: dict[str, int] = {}
     while harness.busy():
         out = harness.step()
@@ -214,13 +213,12 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
             asks[request.request_id] = asks.get(request.request_id, 0) + 1
         return result
 
-    connector.get_num_new_matched_tokens = counted
     harness.add_request("running", prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
     harness.step_until_scheduled("running")
     fetches = connector.routed.counters.values["fetches"]
     harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
-    harness.step()  # submits its lookup
-    wait_joint_answers(harness, ["waiting"])  # KV and R3 answered while the first still runs
+    assert ask_until_answered(harness, ["waiting"]) == {"waiting": 4 * CHUNK}  # answered while the first runs
+    connector.get_num_new_matched_tokens = counted  # from here on, only vLLM's asks
     harness.run_until_idle()
     assert asks["waiting"] >= 3, f"the hit was meant to wait for blocks (answered asks: {asks['waiting']})"
     assert connector.routed.counters.values["fetches"] == fetches + 1

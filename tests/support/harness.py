@@ -684,7 +684,7 @@ def lookup(connector, request, num_computed_tokens: int = 0, timeout_s: float = 
         hit, is_async = connector.get_num_new_matched_tokens(request, num_computed_tokens)
         if hit is not None:
             return hit, is_async
-        assert time.monotonic() < deadline, "lookup did not answer"
+        assert time.monotonic() < deadline, f"the lookup of {request.request_id} did not answer within {timeout_s} s"
         time.sleep(0.01)
 
 
@@ -697,27 +697,18 @@ def kv_lookup_answer(adapter, request_id: str, timeout_s: float = 20.0) -> int:
     return hit
 
 
-def wait_joint_answers(harness, request_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, int]:
-    """The KV hits of ``request_ids`` once both LMCache's KV lookup and the R3 fetch of each answered.
+def ask_until_answered(harness, request_ids: Sequence[str], timeout_s: float = 30.0) -> dict[str, int]:
+    """The joint KV+R3 hits of waiting requests, asked as vLLM's scheduler asks (``get_num_new_matched_tokens``,
+    with no local hit) until both LMCache's KV lookup and the R3 fetch of each answered.
 
-    vLLM admits a request only when both did, and a harness step takes microseconds: a test that needs a request
-    admitted at a given point (while another still runs) waits here first, or a slow answer on a busy machine
-    lets the other run to its end.
+    vLLM admits a request only when both did, and a harness step takes microseconds: a test that needs requests
+    admitted at a given point (together, or while another still runs) asks here first, or a slow answer on a busy
+    machine lets the others run to their end. Asking submits a lookup vLLM has not sent yet (a step whose token
+    budget the first request used up visits no other), so an answer here is never the adapter's 0 for a lookup it
+    does not know; vLLM's next ask is answered from the same lookup and fetch.
     """
     connector = harness.scheduler.connector
-    adapter, book, deadline = connector.scheduler_adapter, connector.routed, time.monotonic() + timeout_s
-
-    def unanswered() -> list[str]:
-        return [
-            r
-            for r in request_ids
-            if adapter.check_lookup_result(r) is None or book.fetch_pending(harness.scheduler.requests[r])
-        ]
-
-    while unanswered() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert not unanswered(), f"lookups or R3 fetches of {unanswered()} did not answer within {timeout_s} s"
-    return {r: adapter.check_lookup_result(r) for r in request_ids}
+    return {r: lookup(connector, harness.scheduler.requests[r], 0, timeout_s)[0] for r in request_ids}
 
 
 def wait_for(read: Callable[[], int], expected: int, timeout_s: float) -> int:
