@@ -33,7 +33,8 @@ class CallerBuffer:
 
 
 def object_key(i: int, model_name: str):
-    """LMCache's ObjectKey for test object ``i`` (a 32-byte chunk hash of ``i``)."""
+    """LMCache's ObjectKey for test object ``i`` (its chunk hash: ``i`` as 32 big-endian bytes, distinct for every
+    ``i`` >= 0)."""
     from lmcache.v1.distributed.api import ObjectKey
 
-    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name=model_name, kv_rank=0, object_group_id=0)
+    return ObjectKey(chunk_hash=i.to_bytes(32, "big"), model_name=model_name, kv_rank=0, object_group_id=0)

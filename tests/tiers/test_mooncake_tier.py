@@ -557,11 +557,9 @@ def test_a_batch_of_thousands_of_objects_stores_loads_byte_equal_and_is_evicted(
     # Mooncake fails every transfer of a client with more than ~2048 objects in flight, so the tier splits a batch
     # by object count as well as by bytes; LMCache's eviction thread deletes in batches too, and a delete is one
     # Mooncake call bounded by call_timeout_seconds (1 s here), so it must not cost a master round trip per key.
-    from lmcache.v1.distributed.api import ObjectKey
-
     from lmcache_r3.tiers.mooncake_adapter import mooncake_key
 
-    keys = [ObjectKey(i.to_bytes(32, "big"), MODEL, 0, 0) for i in range(1000, 5000)]
+    keys = [_key(i) for i in range(1000, 5000)]
     payloads = [os.urandom(64) for _ in keys]
     task = adapter.submit_store_task(keys, [CallerBuffer(payload) for payload in payloads])
     stored = completed(adapter.get_store_event_fd(), lambda: adapter.pop_completed_store_tasks().get(task))

@@ -16,7 +16,7 @@ from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAll
 
 from lmcache_r3.tiers.holds import BuffersGone
 from lmcache_r3.tiers.task_adapter import COUNTERS, TaskL2Adapter, byte_view
-from tests.support.l2_tasks import completed
+from tests.support.l2_tasks import completed, object_key
 
 
 class DictTier(TaskL2Adapter):
@@ -119,7 +119,7 @@ class CompletingDictTier(DictTier):
 
 
 def key(i: int) -> ObjectKey:
-    return ObjectKey(chunk_hash=bytes([i]) * 32, model_name="tiny-moe", kv_rank=0, object_group_id=0)
+    return object_key(i, "tiny-moe")
 
 
 @pytest.fixture
