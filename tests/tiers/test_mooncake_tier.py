@@ -735,10 +735,13 @@ def test_small_tasks_complete_on_the_clients_call_thread_unless_inline_is_off(
         assert tier.report_status()["locked_keys"] == 0
     finally:
         tier.close()
+    # The thread that made the Mooncake call completes it, or the submitting thread itself when the call returned
+    # before its completion was registered (a busy machine): never a worker in between.
+    call_threads = ("mooncake-io", threading.current_thread().name)
     inline = inline_max_bytes is None
-    assert signalled["lookup"].startswith("mooncake-io")
-    assert signalled["store"].startswith("mooncake-io" if inline else "mooncake-l2-store"), signalled
-    assert signalled["load"].startswith("mooncake-io" if inline else "mooncake-l2-load"), signalled
+    assert signalled["lookup"].startswith(call_threads), signalled
+    assert signalled["store"].startswith(call_threads if inline else "mooncake-l2-store"), signalled
+    assert signalled["load"].startswith(call_threads if inline else "mooncake-l2-load"), signalled
 
 
 # -- objects that move straight between LMCache's L1 and Mooncake ---------------------------------------------------
