@@ -343,8 +343,8 @@ class BoundedMooncakeClient:
         It runs on the io thread when the call returns (on the thread calling this, at once, when it returned
         already), on the client's deadline thread when the call's bound passes first (``TIMEOUT``, counted and
         marking the client down, as :meth:`wait` does), at once for a call that never started, and with
-        ``CANCELLED`` when the client closes first. The callback must be short and must
-        not wait for another call of this client; an exception it raises is logged.
+        ``CANCELLED`` when the client closes first. The callback must be short and must not wait for another call
+        of this client; an exception it raises is logged.
         """
         future = pending.future
         if future is None:

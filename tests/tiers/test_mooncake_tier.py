@@ -706,7 +706,12 @@ def test_small_tasks_complete_on_the_clients_call_thread_unless_inline_is_off(
 ):
     """An R3-sized store and load are staged on the submitting thread and completed by the thread that made the
     Mooncake call (no store or load worker between them); with ``inline_max_bytes: 0`` the workers run them. A
-    lookup's existence query is always answered on the call thread. Either way the bytes come back equal."""
+    lookup's existence query is always answered on the call thread. Either way the bytes come back equal.
+
+    Every Mooncake call here waits until its task's submit returned: a submit that waited for its call would fail
+    the test, and a call can never return before its completion is registered (a done future would run it at once
+    on the submitting thread, hiding which thread completes a returning call)."""
+    from lmcache_r3.tiers import mooncake_store as store_module
     from lmcache_r3.tiers.mooncake_adapter import MooncakeL2Adapter
 
     for name, value in MOONCAKE_ENV.items():
@@ -715,12 +720,34 @@ def test_small_tasks_complete_on_the_clients_call_thread_unless_inline_is_off(
     tier = MooncakeL2Adapter(mooncake_tier(mooncake_cluster, **extra)["adapter_params"])
     signalled: dict[str, str] = {}
     signal_kind = tier._signal
+    submitted = threading.Event()
 
     def recording(kind):
         signalled[kind] = threading.current_thread().name
         signal_kind(kind)
 
+    def after_submit(call):
+        def held(*args, **kwargs):
+            assert submitted.wait(10), "the Mooncake call ran while its task's submit had not returned"
+            return call(*args, **kwargs)
+
+        return held
+
+    def submit(original):
+        def submitting(*args):
+            submitted.clear()
+            try:
+                return original(*args)
+            finally:
+                submitted.set()
+
+        return submitting
+
     monkeypatch.setattr(tier, "_signal", recording)
+    for name in ("_write", "_exists", "_read"):
+        monkeypatch.setattr(store_module, name, after_submit(getattr(store_module, name)))
+    for name in ("submit_store_task", "submit_lookup_and_lock_task", "submit_load_task"):
+        monkeypatch.setattr(tier, name, submit(getattr(tier, name)))
     try:
         wait_for(lambda: tier.report_status()["state"] == "up", 10, "connected to the master")
         payloads = [_r3_payload(40 + i) for i in range(4)]
@@ -735,13 +762,10 @@ def test_small_tasks_complete_on_the_clients_call_thread_unless_inline_is_off(
         assert tier.report_status()["locked_keys"] == 0
     finally:
         tier.close()
-    # The thread that made the Mooncake call completes it, or the submitting thread itself when the call returned
-    # before its completion was registered (a busy machine): never a worker in between.
-    call_threads = ("mooncake-io", threading.current_thread().name)
     inline = inline_max_bytes is None
-    assert signalled["lookup"].startswith(call_threads), signalled
-    assert signalled["store"].startswith(call_threads if inline else "mooncake-l2-store"), signalled
-    assert signalled["load"].startswith(call_threads if inline else "mooncake-l2-load"), signalled
+    assert signalled["lookup"].startswith("mooncake-io"), signalled
+    assert signalled["store"].startswith("mooncake-io" if inline else "mooncake-l2-store"), signalled
+    assert signalled["load"].startswith("mooncake-io" if inline else "mooncake-l2-load"), signalled
 
 
 # -- objects that move straight between LMCache's L1 and Mooncake ---------------------------------------------------
