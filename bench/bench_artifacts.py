@@ -4,6 +4,8 @@
     python bench/bench_artifacts.py --write    # and replace the "## R3 artifact core" section of docs/benchmarks.md
     python bench/bench_artifacts.py --gpu-check   # CUDA kernel vs the numpy reference, and its throughput
     python bench/bench_artifacts.py --checksums   # the checksum candidates importable here, against memcpy
+    python bench/bench_artifacts.py --output --write   # routed experts into a vLLM output and back, against
+                                                       # np.save + stdlib base64 ("## Routed experts in the output")
 
 Every figure is the median of repeated runs, reported as a ratio to a memcpy of the same bytes timed the same way:
 for throughput, ``memcpy time / operation time`` (1.0 = as fast as memcpy); for materialize, ``operation time /
@@ -13,8 +15,10 @@ memcpy time`` (1.0 = as fast as one memcpy).
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime
 import gc
+import io
 import mmap
 import os
 import platform
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pybase64
 import xxhash
 from benchdocs import DOCS, write_section
 
@@ -39,8 +44,10 @@ from lmcache_r3.artifacts import (
     encode_run,
     gather_narrow_reference,
 )
+from lmcache_r3.output import decode_routed_experts, encode_routed_experts, token_fingerprint
 
 SECTION = "## R3 artifact core"
+OUTPUT_SECTION = "## Routed experts in the output"
 PROFILE = R3Profile(48, 8, 128)  # 384 B per token, uint8
 CHUNK_TOKENS = 256
 REQUEST_TOKENS = 32768
@@ -201,6 +208,47 @@ def materialize_rows(quick: bool) -> list[str]:
     return lines
 
 
+def stdlib_encode(rows: np.ndarray) -> str:
+    """The baseline: ``np.save`` into a ``BytesIO``, then the standard library's base64."""
+    buffer = io.BytesIO()
+    np.save(buffer, rows, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def stdlib_decode(encoded: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+
+
+def output_rows(quick: bool) -> list[str]:
+    """A finished request's rows into its output (the engine, once per request, on its scheduling thread) and back
+    (the trainer), against ``np.save`` + stdlib base64 of the same rows, at three request lengths."""
+    rng = np.random.default_rng(1)
+    repeats = 5 if quick else 11
+    return [output_row(rng, num_tokens, inner, repeats) for num_tokens, inner in ((256, 200), (4096, 20), (32768, 3))]
+
+
+def output_row(rng: np.random.Generator, num_tokens: int, inner: int, repeats: int) -> str:
+    rows = rng.integers(0, PROFILE.num_experts, (num_tokens - 1, *PROFILE.row_shape)).astype(PROFILE.dtype)
+    encoded = encode_routed_experts(rows)
+    assert encoded == stdlib_encode(rows)  # the same bytes, or the comparison means nothing
+    tokens = [int(t) for t in rng.integers(0, 150_000, num_tokens)]
+    std_enc, enc, std_dec, dec, fingerprint = (
+        median_seconds(operation, inner, repeats) * 1e3
+        for operation in (
+            lambda: stdlib_encode(rows),
+            lambda: encode_routed_experts(rows),
+            lambda: stdlib_decode(encoded),
+            lambda: decode_routed_experts(encoded),
+            lambda: token_fingerprint(tokens),
+        )
+    )
+    return (
+        f"| {num_tokens} tokens ({rows.nbytes / 2**20:.2f} MiB) | {std_enc:.3f} ms | {enc:.3f} ms | "
+        f"**{std_enc / enc:.1f}x** | {std_dec:.3f} ms | {dec:.3f} ms | **{std_dec / dec:.1f}x** | "
+        f"{fingerprint:.3f} ms |"
+    )
+
+
 def machine() -> str:
     model = next(
         (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -235,6 +283,28 @@ def report(quick: bool) -> str:
         "| case | time | vs memcpy |",
         "| --- | --- | --- |",
         *materialize_rows(quick),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def output_report(quick: bool) -> str:
+    command = "python bench/bench_artifacts.py " + " ".join(sys.argv[1:])
+    out = [
+        OUTPUT_SECTION,
+        "",
+        f"`{command.strip()}` on {machine()}, pybase64 {pybase64.get_version()}, {datetime.date.today().isoformat()}.",
+        f"Profile {PROFILE.describe()}. Each figure is a median of repeated runs.",
+        "",
+        'A finished request\'s rows into its output, `kv_transfer_params["routed_experts"]` (base64 of `np.save`',
+        "bytes), which the engine does once per finished request on its scheduling thread, and back (the trainer's",
+        "`lmcache_r3.routed_experts`), against `np.save` into a `BytesIO` + the standard library's base64 of the same",
+        "rows in the same run (the encodings are asserted byte-equal); *fingerprint*: the XXH3-64 of the request's",
+        "token ids that travels with the rows.",
+        "",
+        "| request | encode: np.save + base64 | encode: ours | speed-up | decode: base64 + np.load | decode: ours "
+        "| speed-up | fingerprint |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *output_rows(quick),
     ]
     return "\n".join(out) + "\n"
 
@@ -390,16 +460,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, noisier figures)")
     parser.add_argument("--gpu-check", action="store_true", help="check the CUDA kernel against numpy on a GPU")
     parser.add_argument("--checksums", action="store_true", help="compare the checksum candidates importable here")
+    parser.add_argument(
+        "--output", action="store_true", help=f"the routed experts' output encoding instead ('{OUTPUT_SECTION}')"
+    )
     args = parser.parse_args()
     if args.gpu_check:
         return gpu_check()
     if args.checksums:
         print(checksum_report())
         return 0
-    text = report(args.quick)
+    section, text = (OUTPUT_SECTION, output_report(args.quick)) if args.output else (SECTION, report(args.quick))
     print(text)
     if args.write:
-        write_section(SECTION, text)
+        write_section(section, text)
         print(f"updated {DOCS}")
     return 0
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import io
+import struct
+
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from lmcache_r3.artifacts import GatherNarrowError, R3Profile
 from lmcache_r3.mp.capture import CaptureError, StepRowsError, narrow_step, require_eager_on_cpu
@@ -224,9 +229,43 @@ class _Output:
 
 
 def test_token_fingerprint_names_the_number_and_order_of_the_tokens():
-    assert token_fingerprint([1, 2, 3]).startswith("3:")
+    assert token_fingerprint([1, 2, 3]) == f"3:{xxhash.xxh3_64_hexdigest(struct.pack('<3q', 1, 2, 3))}"
+    assert token_fingerprint([2**40, -1]) == f"2:{xxhash.xxh3_64_hexdigest(struct.pack('<2q', 2**40, -1))}"
     assert token_fingerprint([1, 2, 3]) == token_fingerprint(np.array([1, 2, 3], dtype=np.int32))
     assert len({token_fingerprint(t) for t in ([1, 2, 3], [3, 2, 1], [1, 2], [1, 2, 3, 0], [])}) == 5
+
+
+def _np_save_base64(rows: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, rows, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+_GRID = np.arange(5 * 48 * 8).reshape(5, 48, 8)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        pytest.param((_GRID % 128).astype(np.uint8), id="uint8"),
+        pytest.param((_GRID * 7 % 512).astype(np.uint16), id="uint16"),
+        pytest.param(np.zeros((0, 2, 2), np.uint8), id="no-rows"),
+        pytest.param((_GRID % 128).astype(np.uint8)[::2, :, 1:7], id="not-contiguous"),
+        pytest.param(np.full((3, 1, 1), 255, np.uint8), id="one-layer-top-1"),
+    ],
+)
+def test_encoded_routed_experts_are_exactly_base64_of_np_save_bytes(rows):
+    """The documented format, byte for byte: what any reader that does ``np.load(b64decode(...))`` expects."""
+    encoded = encode_routed_experts(rows)
+    assert encoded == _np_save_base64(rows)
+    decoded = decode_routed_experts(encoded)
+    assert decoded.dtype == rows.dtype
+    np.testing.assert_array_equal(decoded, rows)
+
+
+def test_object_rows_are_refused_when_encoding():
+    with pytest.raises(ValueError, match="integer rows"):
+        encode_routed_experts(np.array([[[1]]], dtype=object))
 
 
 def test_routed_experts_round_trip_and_every_refusal_names_its_cause():
