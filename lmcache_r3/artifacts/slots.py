@@ -220,5 +220,4 @@ class SlotMirror:
         """Mark every slot of ``block_ids`` unwritten (e.g. after the engine resets its prefix cache)."""
         self._apply_queued()
         blocks = self._block_ids(block_ids)
-        slots = (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
-        self._written[slots] = False
+        self._written.reshape(self.num_blocks, self.block_size)[blocks] = False  # whole blocks: no slot index built
