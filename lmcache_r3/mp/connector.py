@@ -59,6 +59,7 @@ from lmcache_r3.mp.connector_config import (
     resolve_extra_config,
     routed_experts_profile,
 )
+from lmcache_r3.mp.metrics import R3ConnectorStats, R3PromMetrics, counter_deltas
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
 from lmcache_r3.mp.routed import RoutedExpertsBook
@@ -153,6 +154,8 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         """Time this role spent on routed experts (capture mapping on a worker, bookkeeping on the scheduler)."""
         self.r3_steps = 0
         self._r3_sends_rows = False
+        self._stats_reported: dict[str, int] = {}
+        """The counters as last handed to vLLM's metrics (:meth:`get_kv_connector_stats` reports what moved)."""
         self.session_ends: SessionEnds | None = None
         if role == KVConnectorRole.SCHEDULER:
             # LMCache drops a finished request's lookup state; one still in flight is kept until it answers.
@@ -577,6 +580,29 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if before is not None and tracker is not before:
             self._forget(request.request_id)  # a preempted request starts over with a fresh tracker
         return tracker
+
+    # -- vLLM's metrics ----------------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> R3ConnectorStats | None:
+        """LMCache's lookup latencies, and on the scheduler what lmcache_r3 counted since the last call (vLLM asks
+        after every engine step; see :mod:`lmcache_r3.mp.metrics`)."""
+        stock = super().get_kv_connector_stats()
+        stats = R3ConnectorStats(data=stock.data if stock is not None else {})
+        if self.role == KVConnectorRole.SCHEDULER:
+            now = self.counters.snapshot()
+            if self.routed is not None:
+                now.update(self.routed.counters.snapshot())
+            stats.count(counter_deltas(now, self._stats_reported))
+            self._stats_reported = now
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> R3ConnectorStats:
+        return R3ConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> R3PromMetrics:  # fmt: skip
+        return R3PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.r3_profile is not None and self.r3_steps:

@@ -129,3 +129,18 @@ def test_lmcache_server_killed_mid_run_requests_recompute_with_exact_rows(
     assert facts["dead.sources"] == {"vllm_cached_tokens": 0, "lmcache_tokens": 0, "computed_tokens": 207}
     np.testing.assert_array_equal(arrays["dead.rows"], arrays["alive.rows"])
     assert_rows_match_hf(arrays, hf_router, "dead")
+
+
+def test_vllms_own_metrics_count_the_routing_each_source_served(main_run):
+    """vLLM's Prometheus registry in the front end (``LLM.get_metrics``) holds lmcache_r3's counters, shipped from
+    the engine core with the scheduler's stats: they agree with what the requests themselves returned."""
+    arrays, facts = main_run
+    metrics = facts["r3_metrics"]
+    returned = [key for key in arrays if key.endswith(".rows")]
+    assert metrics["vllm:lmcache_r3_requests_completed"] == len(returned)
+    served = sum(sources["lmcache_tokens"] for key, sources in facts.items() if key.endswith(".sources") and sources)
+    assert served > 0 and metrics["vllm:lmcache_r3_rows_from_lmcache"] == served
+    assert metrics["vllm:lmcache_r3_joint_hits_shrunk"] == 1, "the hit cut where R3 was deleted and its KV kept"
+    assert metrics["vllm:lmcache_r3_rows_computed"] > 0 and metrics["vllm:lmcache_r3_chunks_published"] > 0
+    for never in ("fetch_failures", "store_failures", "requests_incomplete"):
+        assert metrics[f"vllm:lmcache_r3_{never}"] == 0, never

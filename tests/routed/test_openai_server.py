@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -76,6 +77,13 @@ class OpenAIServer:
         body = {"model": self.model, "messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
                 "return_token_ids": True} | fields  # fmt: skip
         return self.post("/v1/chat/completions", body)
+
+    def metric(self, name: str) -> float:
+        """The sum over its label sets of a counter or gauge on the server's Prometheus endpoint (0 when absent)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith((f"{name}{{", f"{name} ")))  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """vLLM's prefix cache reset once the server took the stores, so the next request is served from LMCache."""
@@ -169,3 +177,20 @@ def test_chat_turns_return_rows_of_the_templated_prompt_and_reuse_the_previous_t
         reply = response["choices"][0]["message"]["content"]
         more = " ".join(f"w{t}" for t in words(30, seed=9027 + turn))
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": more}]
+
+
+def test_the_servers_prometheus_metrics_count_the_routing_lmcache_served(api_server):
+    """``/metrics`` of the API server holds lmcache_r3's counters (shipped from the engine core with the scheduler's
+    stats): a cold request and its LMCache hit move them by exactly what the two responses say."""
+    counters = ("vllm:lmcache_r3_rows_from_lmcache_total", "vllm:lmcache_r3_requests_completed_total")
+    before = {name: api_server.metric(name) for name in counters}
+    prompt = words(150, seed=9031)
+    api_server.complete(prompt)
+    api_server.reset_prefix_cache()
+    served = api_server.complete(prompt)["kv_transfer_params"][SOURCES_KEY]["lmcache_tokens"]
+    assert served >= 2 * 64
+    expected = {counters[0]: served, counters[1]: 2}
+    deadline = time.monotonic() + 10  # the front end records a step's stats after it answered the step's requests
+    while (moved := {name: api_server.metric(name) - before[name] for name in counters}) != expected:
+        assert time.monotonic() < deadline, f"metrics moved by {moved}, expected {expected}"
+        time.sleep(0.2)

@@ -95,6 +95,12 @@ def scenario_main(rec: Recorder, server_url: str, model: Path) -> None:
     stop_word = greedy[0].outputs[0].text.split()[2]
     rec.facts["stop.word"] = stop_word
     rec.run({"stop": words(70, seed=12)}, max_tokens=6, stop=[stop_word])
+    rec.facts["r3_metrics"] = r3_metrics(rec.llm)
+
+
+def r3_metrics(llm: Any) -> dict[str, float]:
+    """lmcache_r3's counters as vLLM's Prometheus registry holds them in the front end (``vllm:lmcache_r3_*``)."""
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:lmcache_r3_")}
 
 
 def scenario_preempt(rec: Recorder, server_url: str, model: Path) -> None:
@@ -117,7 +123,7 @@ def scenario_server_killed(rec: Recorder, server_url: str, model: Path) -> None:
 
 SCENARIOS = {"main": scenario_main, "preempt": scenario_preempt, "server_killed": scenario_server_killed}
 ENGINE = {
-    "main": {"max_num_batched_tokens": 64},
+    "main": {"max_num_batched_tokens": 64, "disable_log_stats": False},
     "preempt": {
         "max_num_batched_tokens": 64,
         "num_gpu_blocks_override": 16,

@@ -328,6 +328,8 @@ class SchedulerHarness:
         """Per request, the steps that ran it."""
         self.outputs: dict[str, Any] = {}
         """Per finished request, its ``kv_transfer_params`` as the engine returned them."""
+        self.connector_stats: list[dict[str, Any]] = []
+        """The connector's stats payload of every step that had one, as vLLM ships them to its stat loggers."""
         self.router: EmulatedRouter | None = None
         self._computing: dict[str, _Computes] = {}
         """Per request of the step the worker runs, what it computes (:meth:`_plan`)."""
@@ -451,6 +453,9 @@ class SchedulerHarness:
         self._rejections_in_flight.pop(id(out), None)  # the scheduler rolls them back now
         engine_outputs = self.scheduler.update_from_output(out, model_runner_output)
         for client_outputs in engine_outputs.values():
+            stats = client_outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.connector_stats.append(stats.kv_connector_stats)
             for output in client_outputs.outputs:
                 if output.finish_reason is not None:
                     self.outputs[output.request_id] = output.kv_transfer_params

@@ -1,0 +1,61 @@
+"""lmcache_r3's counters reach vLLM's metrics: the real vLLM scheduler ships the connector's stats every step, as
+it ships them to its stat loggers, and they add up to where every token's routing came from (real LMCache server,
+the emulated router of :mod:`tests.support.harness`)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from lmcache_r3.mp.metrics import R3_METRICS
+from tests.routed.test_harness_routed import CHUNK, CONNECTOR, prompt, returned_rows
+
+pytestmark = [pytest.mark.server, pytest.mark.harness]
+
+
+def logged(harness):
+    """The connector stats of every step, shipped as vLLM ships them and added up as its logging stat logger adds
+    them (``KVConnectorLogging.observe``)."""
+    connector_cls = type(harness.scheduler.connector)
+    total = None
+    for payload in harness.connector_stats:
+        stats = connector_cls.build_kv_connector_stats(msgspec.msgpack.decode(msgspec.msgpack.encode(payload)))
+        total = stats if total is None else total.aggregate(stats)
+    assert total is not None, "the scheduler shipped no connector stats"
+    return total
+
+
+def test_vllm_metrics_count_where_every_tokens_routing_came_from(scheduler_harness_factory, r3_server):
+    harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=True)
+    tokens = prompt(4 * CHUNK + 19, seed=11)
+    harness.generate([("cold", tokens)], max_tokens=4)
+    harness.reset_prefix_cache()
+    harness.generate([("warm", tokens)], max_tokens=4)
+    harness.generate([("local", tokens)], max_tokens=4)
+    rows = {name: returned_rows(harness, name) for name in ("cold", "warm", "local")}
+    assert all(np.array_equal(rows["cold"], other) for other in rows.values())
+
+    total = logged(harness)
+    book = harness.scheduler.connector.routed.counters.snapshot()
+    assert total.counts == {name: book[name] for name in R3_METRICS if book.get(name)}, "a count was lost or doubled"
+    reduced = total.reduce()
+    assert reduced["R3 tokens from LMCache"] == 4 * CHUNK
+    assert reduced["R3 tokens from vLLM prefix cache"] >= 4 * CHUNK
+    sources = ("R3 tokens computed", "R3 tokens from LMCache", "R3 tokens from vLLM prefix cache")
+    assert sum(reduced[label] for label in sources) == sum(len(r) for r in rows.values())
+    assert reduced["R3 requests completed"] == 3
+    assert reduced["R3 chunks stored"] == 4
+    assert "R3 requests incomplete" not in reduced and "R3 fetch failures" not in reduced
+    assert reduced["LMCache MP lookup count"] >= 1
+
+
+def test_kv_only_connector_reports_its_lookups_and_no_routing(scheduler_harness_factory, r3_server):
+    harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=False)
+    tokens = prompt(2 * CHUNK + 3, seed=12)
+    harness.generate([("cold", tokens)], max_tokens=2)
+    harness.reset_prefix_cache()
+    harness.generate([("warm", tokens)], max_tokens=2)
+    reduced = logged(harness).reduce()
+    assert reduced["LMCache MP lookup count"] >= 2
+    assert not [label for label in reduced if label.startswith("R3 ")]
