@@ -260,12 +260,16 @@ def machine() -> str:
     )
 
 
+def invocation() -> str:
+    """The command line that produced a report, as docs/benchmarks.md quotes it."""
+    return " ".join(["python bench/bench_artifacts.py", *sys.argv[1:]])
+
+
 def report(quick: bool) -> str:
-    command = "python bench/bench_artifacts.py " + " ".join(sys.argv[1:])
     out = [
         SECTION,
         "",
-        f"`{command.strip()}` on {machine()}, {datetime.date.today().isoformat()}.",
+        f"`{invocation()}` on {machine()}, {datetime.date.today().isoformat()}.",
         f"Profile {PROFILE.describe()}; {CHUNK_TOKENS}-token chunks. Each figure is a median of repeated runs;",
         "each ratio is against a memcpy of the same bytes timed in the same run.",
         "",
@@ -288,11 +292,10 @@ def report(quick: bool) -> str:
 
 
 def output_report(quick: bool) -> str:
-    command = "python bench/bench_artifacts.py " + " ".join(sys.argv[1:])
     out = [
         OUTPUT_SECTION,
         "",
-        f"`{command.strip()}` on {machine()}, pybase64 {pybase64.get_version()}, {datetime.date.today().isoformat()}.",
+        f"`{invocation()}` on {machine()}, pybase64 {pybase64.get_version()}, {datetime.date.today().isoformat()}.",
         f"Profile {PROFILE.describe()}. Each figure is a median of repeated runs.",
         "",
         'A finished request\'s rows into its output, `kv_transfer_params["routed_experts"]` (base64 of `np.save`',

@@ -585,7 +585,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
     def get_kv_connector_stats(self) -> R3ConnectorStats | None:
         """LMCache's lookup latencies, and on the scheduler what lmcache_r3 counted since the last call (vLLM asks
         after every engine step; see :mod:`lmcache_r3.mp.metrics`)."""
-        stock = super().get_kv_connector_stats()
+        stock = super().get_kv_connector_stats()  # wrapped on both roles: vLLM adds the scheduler's into the worker's
         stats = R3ConnectorStats(data=stock.data if stock is not None else {})
         if self.role == KVConnectorRole.SCHEDULER:
             now = self.counters.snapshot()
@@ -597,7 +597,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> R3ConnectorStats:
-        return R3ConnectorStats(data=data or {})
+        return R3ConnectorStats.from_payload(data)
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],

@@ -73,17 +73,18 @@ def counter_deltas(now: Mapping[str, int], before: Mapping[str, int]) -> dict[st
 
 @dataclass
 class R3ConnectorStats(LMCacheMPConnectorStats):
-    """LMCache's lookup latencies plus lmcache_r3's counts (``data["lmcache_r3"]``: name -> count).
-
-    Built from a payload (``R3ConnectorStats(data=...)``), it keeps copies of the payload's containers: vLLM's
-    loggers add later payloads into the first one of an interval, and the payload itself is shared by every logger.
-    """
+    """LMCache's lookup latencies plus lmcache_r3's counts (``data["lmcache_r3"]``: name -> count)."""
 
     def __post_init__(self) -> None:
-        self.data = {key: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
-                     for key, v in self.data.items()}  # fmt: skip
         super().__post_init__()
         self.data.setdefault(R3_KEY, {})
+
+    @classmethod
+    def from_payload(cls, data: Mapping[str, Any] | None) -> R3ConnectorStats:
+        """Stats rebuilt in the front end from a shipped payload, on copies of its containers: vLLM's loggers add
+        later payloads into the first one of an interval, and one payload is shared by every logger."""
+        return cls(data={key: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+                         for key, v in (data or {}).items()})  # fmt: skip
 
     @property
     def counts(self) -> dict[str, int]:

@@ -5,11 +5,16 @@ the emulated router of :mod:`tests.support.harness`)."""
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 
 from lmcache_r3.mp.metrics import R3_METRICS
-from tests.routed.test_harness_routed import CHUNK, CONNECTOR, prompt, returned_rows
+from tests.routed.test_harness_routed import (
+    CHUNK,
+    CONNECTOR,
+    cold_then_lmcache_hit_then_prefix_cache_hit,
+    prompt,
+    returned_rows,
+)
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -28,13 +33,8 @@ def logged(harness):
 
 def test_vllm_metrics_count_where_every_tokens_routing_came_from(scheduler_harness_factory, r3_server):
     harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=True)
-    tokens = prompt(4 * CHUNK + 19, seed=11)
-    harness.generate([("cold", tokens)], max_tokens=4)
-    harness.reset_prefix_cache()
-    harness.generate([("warm", tokens)], max_tokens=4)
-    harness.generate([("local", tokens)], max_tokens=4)
+    cold_then_lmcache_hit_then_prefix_cache_hit(harness)  # asserts the three return the same, exact rows
     rows = {name: returned_rows(harness, name) for name in ("cold", "warm", "local")}
-    assert all(np.array_equal(rows["cold"], other) for other in rows.values())
 
     total = logged(harness)
     book = harness.scheduler.connector.routed.counters.snapshot()
