@@ -84,6 +84,12 @@ def admit_and_load(harness, request, tables, admitted):
     return metadata, done, failed
 
 
+def reported(harness, name):
+    """How much counter ``name`` has moved in the stats the connector reported to vLLM's metrics."""
+    stats = harness.logged_connector_stats()
+    return 0 if stats is None else stats.counts.get(name, 0)
+
+
 def stored_prompt(harness, seed, num_chunks):
     tokens = prompt(seed, num_chunks * CHUNK + 8)
     harness.generate([(f"store-{seed}", tokens)])
@@ -119,6 +125,7 @@ def test_partial_admission_retrieves_exactly_the_admitted_chunks_and_frees_the_r
     for layer, data in loaded.items():
         assert data == saved[layer][: len(data)], f"{layer}: loaded KV differs from what was stored"
     assert wait_locks(lmcache_server, 0) == 0
+    assert reported(harness, "partial_admissions") == connector.counters.values["partial_admissions"] == 1
     harness.finish_by_hand(request, blocks[0])
 
 
@@ -136,6 +143,7 @@ def test_admission_ending_inside_an_unallocated_chunk_fails_closed_with_no_lock_
     assert done and failed, "the refused load must be reported as finished and failed, so vLLM recomputes"
     assert wait_locks(lmcache_server, 0) == 0
     assert connector.counters.values["retrieves_failed_closed"] == 1
+    assert reported(harness, "retrieves_failed_closed") == 1, "vLLM's metrics missed the refused retrieve"
     harness.finish_by_hand(request, [44])
 
 

@@ -14,6 +14,7 @@ from tests.connector.test_admission import (
     admit_and_load,
     empty_scheduler_output,
     lookup,
+    reported,
     run_retrieve,
     wait_locks,
 )
@@ -78,6 +79,7 @@ def test_resumed_hybrid_request_restores_attention_and_its_checkpoint_and_never_
         # the recurrent part of every chunk, into the null block: the connector refuses and vLLM recomputes.
         assert counters["retrieves_failed_closed"] == 1, counters
         assert counters["retrieves"] == 0
+    assert reported(harness, "retrieves_failed_closed") == counters["retrieves_failed_closed"]
     assert harness.scheduler.requests == {}
     assert wait_locks(server, 0) == 0
 
@@ -92,6 +94,7 @@ def test_store_stops_before_the_first_chunk_holding_the_null_block(scheduler_har
     _, recurrent = harness.final_block_tables["S"]
     assert recurrent[0] == harness.null_block_id
     assert harness.scheduler.connector.counters.values["stores_trimmed_at_null_block"] == 1
+    assert reported(harness, "stores_trimmed_at_null_block") == 1, "vLLM's metrics missed the trimmed store"
     time.sleep(0.3)  # a store would have reached the fs tier by now; there must be none
     assert set(wait_for_tier_files(l2, 0, timeout_s=0)) == before, "objects were stored past a null chunk"
     assert harness.null_block_changed_bytes() == 0

@@ -4,7 +4,6 @@ the emulated router of :mod:`tests.support.harness`)."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from lmcache_r3.mp.metrics import R3_METRICS
@@ -20,13 +19,7 @@ pytestmark = [pytest.mark.server, pytest.mark.harness]
 
 
 def logged(harness):
-    """The connector stats of every step, shipped as vLLM ships them and added up as its logging stat logger adds
-    them (``KVConnectorLogging.observe``)."""
-    connector_cls = type(harness.scheduler.connector)
-    total = None
-    for payload in harness.connector_stats:
-        stats = connector_cls.build_kv_connector_stats(msgspec.msgpack.decode(msgspec.msgpack.encode(payload)))
-        total = stats if total is None else total.aggregate(stats)
+    total = harness.logged_connector_stats()
     assert total is not None, "the scheduler shipped no connector stats"
     return total
 

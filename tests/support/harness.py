@@ -662,6 +662,22 @@ class SchedulerHarness:
         if pending:
             raise TimeoutError(f"{pending} KV objects still write-locked on the server after {timeout_s:.0f} s")
 
+    def logged_connector_stats(self) -> Any:
+        """The connector stats of every step, shipped as vLLM ships them (msgpack) and added up as its logging stat
+        logger adds them (``KVConnectorLogging.observe``); first what the connector counted since the last step is
+        collected as one more step's, for steps a test played by hand. ``None`` if nothing was ever reported."""
+        import msgspec
+
+        connector = self.scheduler.connector
+        since = connector.get_kv_connector_stats()
+        if since is not None:
+            self.connector_stats.append(since.data)
+        total = None
+        for payload in self.connector_stats:
+            stats = type(connector).build_kv_connector_stats(msgspec.msgpack.decode(msgspec.msgpack.encode(payload)))
+            total = stats if total is None else total.aggregate(stats)
+        return total
+
     def reset_prefix_cache(self) -> None:
         """vLLM's prefix cache reset, once every store is visible, so the next request's hit comes from LMCache."""
         self.settle_stores()
