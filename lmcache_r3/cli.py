@@ -2,6 +2,7 @@
 
 lmcache-r3 server [--config PATH] [--print-command]   run the LMCache MP server the config file describes
 lmcache-r3 inspect [--config PATH | --url URL]        the running server's status, with the R3 counters
+lmcache-r3 clear [--config PATH | --url URL]          empty the running server's L1 and its lmcache_r3 tiers
 lmcache-r3 demo                                       the main job end to end on this machine
 """
 
@@ -82,6 +83,33 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _clear(args: argparse.Namespace) -> int:
+    """Clear one server's L1 and its lmcache_r3 tiers (after a policy update); exit 1 if anything may remain."""
+    from lmcache_r3.mp.clearing import clear_servers
+
+    if args.url:
+        url = args.url
+    else:
+        url = load_config(args.config).server_url
+    if not url.startswith("tcp://"):
+        print(f"lmcache-r3 clear: --url {url!r} is the server's request port as tcp://HOST:PORT (server.port), "
+              "e.g. tcp://127.0.0.1:5555", file=sys.stderr)  # fmt: skip
+        return 2
+    (answer,) = clear_servers([url], timeout_s=args.timeout)
+    if answer.no_module:
+        print(f"lmcache-r3 clear: {url} has no lmcache_r3 server module (a stock lmcache server?); start it with "
+              "`lmcache-r3 server`, or clear its L1 with POST /cache/clear (its L2 tiers then stay)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if answer.response is not None:
+        tiers = [{"tier": t.index, "type": t.type, "removed": t.removed, **({"error": t.error} if t.error else {})}
+                 for t in answer.response.tiers]  # fmt: skip
+        print(json.dumps({"server": url, "l1": "cleared", "tiers": tiers}, indent=2))
+    for problem in answer.problems:
+        print(f"lmcache-r3 clear: not cleared: {problem}", file=sys.stderr)
+    return 1 if answer.problems else 0
+
+
 def summarize_status(status: dict) -> dict:
     """The parts of ``/status`` an operator of lmcache_r3 looks at: health, sessions, L1 use and locks, R3 and tiers.
 
@@ -138,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--url", default=None, help="HTTP address of the server, e.g. http://127.0.0.1:8080")
     inspect.add_argument("--timeout", type=float, default=5.0)
     inspect.set_defaults(handler=_inspect)
+
+    clear = commands.add_parser("clear", help="empty the running server's L1 and its lmcache_r3 tiers")
+    clear.add_argument("--config", default=None, help=f"yaml file (default: ${CONFIG_ENV_VAR})")
+    clear.add_argument("--url", default=None, help="request address of the server, e.g. tcp://127.0.0.1:5555")
+    clear.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the answer (default 60)")
+    clear.set_defaults(handler=_clear)
 
     commands.add_parser("demo", help="run the main job end to end (LMCache MP server + vLLM on CPU)", add_help=False)
     return parser

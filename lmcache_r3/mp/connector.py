@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from lmcache_r3.artifacts import GatherNarrowError, TokenRange
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import capture, planning, stock_fit
+from lmcache_r3.mp.clearing import clear_servers
 from lmcache_r3.mp.connector_config import (
     R3_STORE_BATCH_KEY,
     R3_TIMEOUT_KEY,
@@ -580,6 +581,27 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if before is not None and tracker is not before:
             self._forget(request.request_id)  # a preempted request starts over with a fresh tracker
         return tracker
+
+    # -- vLLM's cache reset -------------------------------------------------------------------------------------
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: LMCache's clear of L1 on
+        every server, then lmcache_r3's of L1 and the lmcache_r3 tiers below it (LMCache's own clear leaves every L2
+        tier as it was, and the next rollout would be served the old policy's KV and routing from there). R3 stores
+        still batched or in flight land first, so none arrives after the clear. False, with the reason logged, when
+        anything may still hold objects from before."""
+        if self.role != KVConnectorRole.SCHEDULER:
+            return None
+        if self.routed is not None:
+            self.routed.settle(self.routed.fetch_timeout_s)
+        l1_cleared = super().reset_cache()
+        answers = clear_servers(list(self.scheduler_adapter._server_urls))
+        for answer in answers:
+            for problem in answer.problems:
+                logger.error("lmcache_r3: reset_cache: %s", problem)
+            if answer.no_module:
+                logger.warning("lmcache_r3: reset_cache: %s has no lmcache_r3 server module (a stock lmcache server?): "
+                               "only its L1 was cleared, not its L2 tiers", answer.url)  # fmt: skip
+        return bool(l1_cleared) and not any(answer.problems for answer in answers)
 
     # -- vLLM's metrics ----------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> R3ConnectorStats | None:

@@ -21,6 +21,7 @@ METHOD_FETCH = "lmcache_r3.fetch"
 METHOD_FETCH_MANY = "lmcache_r3.fetch_many"
 METHOD_DELETE = "lmcache_r3.delete"
 METHOD_INFO = "lmcache_r3.info"
+METHOD_CLEAR = "lmcache_r3.clear"
 
 
 class ProfileSpec(msgspec.Struct, frozen=True):
@@ -148,6 +149,30 @@ class InfoResponse(msgspec.Struct, frozen=True):
     chunk_size: int
     namespace: str
     format_version: int
+
+
+class TierCleared(msgspec.Struct, frozen=True):
+    """What a clear did to one L2 tier of the server."""
+
+    index: int
+    """The tier's position among the server's L2 adapters (configuration order)."""
+    type: str
+    """The adapter's class, e.g. ``ShmL2Adapter``."""
+    removed: int
+    """Objects removed from the tier (by every server sharing it), -1 when it could not be cleared."""
+    error: str = ""
+    """Why the tier was not (or not wholly) cleared; empty when it was."""
+
+
+class ClearResponse(msgspec.Struct, frozen=True):
+    """The answer to a clear: L1 was cleared (every object not in use), then each tier, in order."""
+
+    tiers: list[TierCleared]
+
+    @property
+    def failures(self) -> list[TierCleared]:
+        """The tiers that still may hold objects from before the clear."""
+        return [tier for tier in self.tiers if tier.error]
 
 
 def encode(message: msgspec.Struct) -> bytes:

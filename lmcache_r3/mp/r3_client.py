@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 import msgspec
 
@@ -73,7 +73,60 @@ class R3Call(Generic[T]):
         return self._decoded
 
 
-class R3Client:
+class ServerModuleClient:
+    """Calls to lmcache_r3's server module on one LMCache MP server, each bounded by ``timeout_s``.
+
+    Args:
+        server_url: the server's request endpoint, e.g. ``tcp://127.0.0.1:5555``.
+        timeout_s: bound on every call.
+    """
+
+    def __init__(self, server_url: str, timeout_s: float = 5.0) -> None:
+        import zmq
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+        self.server_url = server_url
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        # Unsent requests to a dead server are dropped on close instead of blocking the context's termination.
+        self._context.setsockopt(zmq.LINGER, 0)
+        # LMCache sends every client's requests from one polling thread per process, its own KV traffic's too. A send
+        # that found the queue to a dead server full (the high-water mark) would block that thread for good; this one
+        # fails its call at once instead (an error the caller answers with recomputation).
+        self._context.setsockopt(zmq.SNDTIMEO, 0)
+        self._client = RequestClientFactory.create(server_url, context=self._context)
+
+    def _call(
+        self, method: str, message: msgspec.Struct | None, response_type: type[T], timeout_s: float | None = None
+    ) -> R3Call[T]:
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        payload = protocol.encode(message) if message is not None else b""
+        future = self._client.server_module_call(ServerModuleCallRequest(method=method, payload=payload))
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        return R3Call(method, future, response_type, time.monotonic() + bound)
+
+    def info(self) -> R3Call[protocol.InfoResponse]:
+        return self._call(protocol.METHOD_INFO, None, protocol.InfoResponse)
+
+    def clear(self, timeout_s: float = 60.0) -> R3Call[protocol.ClearResponse]:
+        """Clear the server's L1, then every lmcache_r3 tier below it: all their objects, KV and R3 of every model,
+        also those other servers sharing a tier stored (see ``R3ServerModule.clear``). Bounded by ``timeout_s``:
+        a tier waits for the stores in flight when the clear began."""
+        return self._call(protocol.METHOD_CLEAR, None, protocol.ClearResponse, timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+        self._context.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class R3Client(ServerModuleClient):
     """R3 store / lookup / fetch / delete against one LMCache MP server with the R3 module loaded.
 
     Args:
@@ -84,22 +137,10 @@ class R3Client:
     """
 
     def __init__(self, server_url: str, model_name: str, profile: R3Profile, timeout_s: float = 5.0) -> None:
-        import zmq
-        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-
-        self.server_url = server_url
+        super().__init__(server_url, timeout_s)
         self.model_name = model_name
         self.profile = profile
-        self.timeout_s = timeout_s
         self._profile_spec = protocol.ProfileSpec.of(profile)
-        self._context = zmq.Context()
-        # Unsent requests to a dead server are dropped on close instead of blocking the context's termination.
-        self._context.setsockopt(zmq.LINGER, 0)
-        # LMCache sends every client's requests from one polling thread per process, its own KV traffic's too. A send
-        # that found the queue to a dead server full (the high-water mark) would block that thread for good; this one
-        # fails its call at once instead (an error the caller answers with recomputation).
-        self._context.setsockopt(zmq.SNDTIMEO, 0)
-        self._client = RequestClientFactory.create(server_url, context=self._context)
 
     def _range(self, token_ids: Sequence[int], start: int, end: int | None, cache_salt: str) -> protocol.ChunkRange:
         tokens = list(token_ids)
@@ -110,13 +151,6 @@ class R3Client:
             end=len(tokens) if end is None else end,
             cache_salt=cache_salt,
         )
-
-    def _call(self, method: str, message: msgspec.Struct | None, response_type: type[T]) -> R3Call[T]:
-        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-
-        payload = protocol.encode(message) if message is not None else b""
-        future = self._client.server_module_call(ServerModuleCallRequest(method=method, payload=payload))
-        return R3Call(method, future, response_type, time.monotonic() + self.timeout_s)
 
     def store(
         self, token_ids: Sequence[int], start: int, objects: bytes, end: int | None = None, cache_salt: str = ""
@@ -166,19 +200,6 @@ class R3Client:
         """Drop the R3 objects of these chunks from L1; their KV objects stay."""
         request = protocol.DeleteRequest(self._range(token_ids, start, end, cache_salt))
         return self._call(protocol.METHOD_DELETE, request, protocol.DeleteResponse)
-
-    def info(self) -> R3Call[protocol.InfoResponse]:
-        return self._call(protocol.METHOD_INFO, None, protocol.InfoResponse)
-
-    def close(self) -> None:
-        self._client.close()
-        self._context.term()
-
-    def __enter__(self) -> R3Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def joint_hit_tokens(kv_hit_tokens: int, r3_hit_chunks: int, chunk_size: int, start: int = 0) -> int:

@@ -43,6 +43,7 @@ from lmcache_r3.artifacts import (
 from lmcache_r3.config import is_positive_seconds
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp import protocol
+from lmcache_r3.tiers.task_adapter import TaskL2Adapter
 
 logger = init_logger(__name__)
 
@@ -71,6 +72,7 @@ SERVER_COUNTERS = (
     "fetched_chunks",
     "damaged_objects",
     "deleted_chunks",
+    "clears",
     "prefetch_timeouts",
     "store_handler_us",
     "read_handler_us",
@@ -248,6 +250,33 @@ class R3ServerModule:
         deleted, locked = self._ctx.storage_manager.delete_l1_keys(keys) if keys else (0, 0)
         self.counters.update(deleted_chunks=deleted)
         return protocol.encode(protocol.DeleteResponse(num_deleted=deleted, num_locked=locked))
+
+    @server_module_handler(protocol.METHOD_CLEAR)
+    def clear(self, payload: bytes) -> bytes:
+        """Clear L1 (every object not in use, as LMCache's own clear does), then each lmcache_r3 tier below it.
+
+        LMCache's clear (``POST /cache/clear``, vLLM's ``reset_prefix_cache(reset_connector=True)``) leaves the L2
+        tiers as they are, so after a policy update a server would serve the old policy's KV and routing from them.
+        A tier lmcache_r3 cannot clear (LMCache's own) is answered with an error naming it: its objects stay.
+        """
+        storage = self._ctx.storage_manager
+        storage.clear(force=False)
+        tiers = []
+        for index, (_, adapter) in enumerate(storage.l2_adapters()):
+            kind = type(adapter).__name__
+            if not isinstance(adapter, TaskL2Adapter):
+                error = (f"{kind} is not an lmcache_r3 tier and cannot be cleared: its objects stay and are served "
+                         "again; give each policy version its own cache_salt, or use lmcache_r3's tiers")  # fmt: skip
+                tiers.append(protocol.TierCleared(index=index, type=kind, removed=-1, error=error))
+                continue
+            try:
+                tiers.append(protocol.TierCleared(index=index, type=kind, removed=adapter.clear_objects()))
+            except Exception as err:  # the tier said why; the others are still cleared
+                logger.warning("lmcache_r3: clearing L2 tier %d (%s) failed: %s", index, kind, err)
+                tiers.append(protocol.TierCleared(index=index, type=kind, removed=-1, error=str(err)))
+        self.counters.update(clears=1)
+        logger.info("lmcache_r3: cleared L1 and %d L2 tier(s): %s", len(tiers), tiers)
+        return protocol.encode(protocol.ClearResponse(tiers=tiers))
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _refuse(self, message: str) -> None:

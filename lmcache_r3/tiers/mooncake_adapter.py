@@ -66,10 +66,10 @@ from typing import Any
 from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 
-from lmcache_r3.tiers.mooncake_client import CORRUPT, OBJECT_NOT_FOUND
+from lmcache_r3.tiers.mooncake_client import CORRUPT, OBJECT_NOT_FOUND, describe
 from lmcache_r3.tiers.mooncake_config import STORE_PARAMS, MooncakeTierConfigError, settings_from_params
 from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore
-from lmcache_r3.tiers.task_adapter import Task, TaskL2Adapter, byte_view
+from lmcache_r3.tiers.task_adapter import Task, TaskL2Adapter, TierClearError, byte_view
 
 logger = init_logger(__name__)
 
@@ -216,6 +216,20 @@ class MooncakeL2Adapter(TaskL2Adapter):
     def _get_then(self, task: Task, keys: list[ObjectKey], names: list[str], objects: list[Any], done) -> bool:
         views = [byte_view(obj) for obj in objects]
         return self._store.get_then(names, views, self._buffers(task), lambda codes: done(_loaded(views, codes)))
+
+    def _clear_tier(self) -> int:
+        if not self._prefix:
+            raise TierClearError(
+                "key_prefix is empty: clearing would remove every object of this Mooncake, other users' too; "
+                "give the tier a key_prefix (the default is 'lmcache_r3/')"
+            )
+        removed = self._store.remove_prefix(self._prefix)
+        if removed < 0:
+            raise TierClearError(
+                f"Mooncake did not remove the objects under {self._prefix!r}: {describe(removed)} (its client is "
+                f"{self._store.state}); nothing was cleared there, clear again once the master answers"
+            )
+        return removed
 
     def _remove(self, names: list[str]) -> Iterable[str]:
         codes = self._store.remove(names)

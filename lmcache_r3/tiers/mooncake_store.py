@@ -533,6 +533,14 @@ class MooncakeObjectStore:
         """Remove each key (forced past read leases); per key 0 or a negative code (-704: already gone)."""
         return self._client.call("remove", len(keys), partial(_remove, keys=list(keys)))
 
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every object whose key starts with ``prefix`` (forced past read leases: a read in flight then fails
+        its checksum or reads short, a miss), whoever stored it, in one master call; the number removed, or a
+        negative code."""
+        pattern = prefix_pattern(prefix)
+        (code,) = self._client.call("remove_by_regex", 1, partial(_remove_matching, pattern=pattern))
+        return code
+
     @property
     def state(self) -> str:
         """``connecting``, ``up``, ``down`` or ``closed`` (see :mod:`lmcache_r3.tiers.mooncake_client`)."""
@@ -660,6 +668,21 @@ def stored_sizes(native: Any, keys: list[str]) -> list[int]:
 # -- what runs on the io threads (bound by partial: an abandoned call must not see the caller's next values) --------
 def _exists(native: Any, keys: list[str]) -> list[int]:
     return native.batch_is_exist(keys)
+
+
+_REGEX_SYNTAX = frozenset("^$\\.*+?()[]{}|")
+"""The characters with a meaning in an ECMAScript regular expression (the grammar of Mooncake's C++ regexes)."""
+
+
+def prefix_pattern(prefix: str) -> str:
+    """The regular expression (ECMAScript, as Mooncake's ``remove_by_regex`` reads it) of keys starting with
+    ``prefix``: ``prefix_pattern("team.a/") == "^team\\.a/"``. Only syntax characters are escaped, as the grammar
+    refuses escapes of others."""
+    return "^" + "".join(f"\\{c}" if c in _REGEX_SYNTAX else c for c in prefix)
+
+
+def _remove_matching(native: Any, pattern: str) -> list[int]:
+    return [native.remove_by_regex(pattern, True)]
 
 
 def _remove(native: Any, keys: list[str]) -> list[int]:

@@ -60,19 +60,23 @@ from lmcache_r3.tiers.holds import CallerBuffers
 
 logger = init_logger(__name__)
 
-__all__ = ["COUNTERS", "KINDS", "Task", "TaskBuffers", "TaskL2Adapter", "byte_view"]
+__all__ = ["COUNTERS", "KINDS", "Task", "TaskBuffers", "TaskL2Adapter", "TierClearError", "byte_view"]
 
 KINDS = ("store", "lookup", "load")
 """Task kinds: each has its own thread pool, event fd and result registry."""
 
 COUNTERS = tuple(
     "errors timeouts store_tasks stored_objects store_failures lookup_tasks lookup_hits lookup_misses load_tasks "
-    "loaded_objects load_failures deleted_objects delete_skipped_locked".split()
+    "loaded_objects load_failures deleted_objects delete_skipped_locked clears cleared_objects".split()
 )
 """The counters every tier reports under ``report_status()["counters"]``."""
 
 Completion = Callable[[Iterable], None]
 """How a tier that completes an operation itself (``_put_then`` and the like) hands over its results."""
+
+
+class TierClearError(RuntimeError):
+    """A tier could not be cleared (wholly); the message says why and what to do."""
 
 
 @dataclass(eq=False)
@@ -203,6 +207,11 @@ class TaskL2Adapter(L2AdapterInterface):
     @abstractmethod
     def _remove(self, names: list[Hashable]) -> Iterable[Hashable]:
         """Remove ``names`` from the tier; the names it no longer holds."""
+
+    def _clear_tier(self) -> int:
+        """Remove every object of the tier, those other servers sharing it stored too; the number removed. Raises
+        :class:`TierClearError` (or anything else) when the tier cannot be cleared."""
+        raise TierClearError(f"{type(self).__name__} cannot clear its objects")
 
     def _maintain_tier(self) -> None:
         """Periodic tier work on the watchdog thread (sweeps, reconciliation); exceptions are counted as errors."""
@@ -530,6 +539,35 @@ class TaskL2Adapter(L2AdapterInterface):
         except Exception:
             self._count("errors")
             logger.exception("%s: delete of %d keys failed", type(self).__name__, len(keys))
+
+    def clear_objects(self) -> int:
+        """Remove every object of the tier (what a policy update needs: see docs/tiers.md); the number removed.
+
+        The store tasks running when it is called finish first (at most the task timeout), so no object they were
+        given lands after the clear; then the tier removes everything it holds, every server's objects on a shared
+        root or Mooncake prefix, and the adapter forgets (and reports deleted) every key it knew. Objects a lookup
+        locked are removed too: their loads miss, as loads may. Raises :class:`TierClearError` when the stores in
+        flight did not finish in time or the tier could not be cleared.
+        """
+        with self._idle:
+            stores = {tid for tid, task in self._pending.items() if task.kind == "store"}
+            finished = self._idle.wait_for(lambda: stores.isdisjoint(self._pending), timeout=self._timeout)
+            running = len(stores.intersection(self._pending))
+        if not finished:
+            raise TierClearError(
+                f"{running} store task(s) still running after {self._timeout:g} s (task_timeout_seconds): "
+                "nothing was cleared; clear again once the tier answers"
+            )
+        removed = self._clear_tier()
+        with self._lock:
+            gone = list(self._known.values())
+            self._known.clear()
+            self._counters["clears"] += 1
+            self._counters["cleared_objects"] += removed
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+        logger.info("%s: cleared %d objects (%d known here)", type(self).__name__, removed, len(gone))
+        return removed
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
         """The keys this adapter knows, ordered by tier key; ``cursor`` stands for the tier key of the last entry."""

@@ -24,10 +24,10 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def write_example_on_free_ports(tmp_path) -> Path:
-    """The shipped example file, with free ports and the fs tier under a temp dir."""
+    """The shipped example file, with free ports and the shm tier's root under a temp dir."""
     document = yaml.safe_load(EXAMPLE.read_text())
     document["server"].update(port=free_port(), http_port=free_port(), chunk_size=64, l1_size_gb=0.25)
-    document["tiers"][0]["base_path"] = str(tmp_path / "l2")
+    document["tiers"][0]["root"] = str(tmp_path / "l2")
     path = tmp_path / "lmcache_r3.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -44,7 +44,7 @@ def test_print_command_shows_the_stock_server_with_our_module_and_tiers(example_
     assert result.stdout.startswith("env LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 VLLM_NO_USAGE_STATS=1 ")
     assert " server --host 127.0.0.1 " in result.stdout
     assert '"module_path":"lmcache_r3.mp.server_module"' in result.stdout
-    assert '"type":"fs"' in result.stdout
+    assert '"module_path":"lmcache_r3.tiers.shm_adapter"' in result.stdout
 
 
 def test_a_bad_config_file_stops_the_server_command_with_the_key_and_exit_2(tmp_path):
@@ -73,6 +73,14 @@ def test_the_example_file_starts_a_working_server_with_r3(tmp_path):
         assert summary["r3"]["stored_chunks"] == 2
         assert summary["r3"]["namespace"] == "##r3"
         assert summary["active_sessions"] == server.status()["active_sessions"] == 0
+        assert [tier["type"] for tier in summary["tiers"]] == ["ShmL2Adapter"]
+
+        cleared = cli("clear", "--config", str(example))  # e.g. after a policy update
+        assert cleared.returncode == 0, cleared.stderr
+        (tier,) = json.loads(cleared.stdout)["tiers"]
+        assert tier["type"] == "ShmL2Adapter" and "error" not in tier
+        with R3Client(server.url, "m", profile) as r3:
+            assert r3.lookup(tokens).result().num_hit_chunks == 0, "served after the clear"
     finally:
         process.stop()
     assert not process.alive()

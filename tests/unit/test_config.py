@@ -13,7 +13,7 @@ def test_example_file_loads_with_every_section():
     config = load_config(EXAMPLE)
     assert config.server.port == 5555
     assert config.server.chunk_size == 256
-    assert config.tiers == [{"type": "fs", "base_path": "/tmp/lmcache_r3-l2"}]
+    assert config.tiers == [{"type": "shm", "root": "/dev/shm/lmcache_r3", "capacity_bytes": 4 << 30}]
     assert config.r3.enabled and config.r3.namespace == "##r3"
     assert config.server_url == "tcp://127.0.0.1:5555"
 

@@ -22,7 +22,7 @@ from lmcache_r3.tiers.mooncake_config import (
     parse_size,
     settings_from_params,
 )
-from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore, batch_groups, open_object, seal_object
+from lmcache_r3.tiers.mooncake_store import MooncakeObjectStore, batch_groups, open_object, prefix_pattern, seal_object
 from lmcache_r3.tiers.shm_store import HEADER, encode_header
 
 MOONCAKE = {"local_hostname": LOOPBACK, "metadata_server": "P2PHANDSHAKE", "master_server_address": "10.0.0.1:50051"}
@@ -307,3 +307,21 @@ def test_an_adapter_without_a_master_starts_unhealthy_and_answers_lookups_with_m
         assert hits.popcount() == 0
     finally:
         adapter.close()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "pattern"),
+    [
+        ("lmcache_r3/", "^lmcache_r3/"),
+        ("team.a/", r"^team\.a/"),
+        ("run-7@x/", "^run-7@x/"),  # '-' and '@' mean nothing outside a bracket: left as they are
+        ("a(b)[c]{d}|e", r"^a\(b\)\[c\]\{d\}\|e"),
+        ("^$*+?\\", r"^\^\$\*\+\?\\"),
+    ],
+)
+def test_a_clear_removes_exactly_the_keys_under_the_prefix(prefix, pattern):
+    import re
+
+    assert prefix_pattern(prefix) == pattern
+    compiled = re.compile(pattern)  # Python's grammar agrees with ECMAScript on these escapes
+    assert compiled.match(prefix + "model@0@0@@ab") and not compiled.match("x" + prefix)

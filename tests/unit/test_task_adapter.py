@@ -15,7 +15,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
 
 from lmcache_r3.tiers.holds import BuffersGone
-from lmcache_r3.tiers.task_adapter import COUNTERS, TaskL2Adapter, byte_view
+from lmcache_r3.tiers.task_adapter import COUNTERS, TaskL2Adapter, TierClearError, byte_view
 from tests.support.l2_tasks import completed, object_key
 
 
@@ -95,6 +95,12 @@ class DictTier(TaskL2Adapter):
         for name in names:
             self.objects.pop(name, None)
         return names
+
+    def _clear_tier(self):
+        self._operation("clear")
+        removed = len(self.objects)
+        self.objects.clear()
+        return removed
 
 
 class CompletingDictTier(DictTier):
@@ -360,3 +366,54 @@ def test_a_tier_completing_a_lookup_itself_completes_it_once_and_keeps_only_the_
         assert status["pending_tasks"] == 0 and tier.query_lookup_and_lock_result(2) is None
     finally:
         tier.close()
+
+
+# -- clear -----------------------------------------------------------------------------------------------------------
+def test_a_clear_removes_every_object_forgets_every_key_and_reports_them_deleted(tier, memory):
+    assert store(tier, [key(1), key(2)], [memory(b"a" * 40), memory(b"b" * 60)]).is_successful()
+    tier.objects["elsewhere/00"] = b"stored by another server sharing the tier"
+    reported: list = []
+
+    class Listener:
+        def on_l2_keys_stored(self, keys, sizes): ...
+
+        def on_l2_keys_deleted(self, keys):
+            reported.extend(keys)
+
+        def on_l2_keys_accessed(self, keys): ...
+
+    tier.register_listener(Listener())
+    assert tier.clear_objects() == 3
+    assert tier.objects == {} and sorted(k.chunk_hash for k in reported) == sorted(
+        [key(1).chunk_hash, key(2).chunk_hash]
+    )
+    assert lookup(tier, [key(1), key(2)]).popcount() == 0
+    status = tier.report_status()
+    assert status["objects"] == 0 and status["counters"]["clears"] == 1 and status["counters"]["cleared_objects"] == 3
+    assert tier.get_usage().total_bytes_used == 0
+
+
+def test_a_store_stuck_in_a_copy_of_the_callers_buffer_fails_the_clear_and_nothing_is_removed(tier, memory):
+    assert store(tier, [key(1)], [memory(b"k" * 64)]).is_successful()
+    tier.copy_gate.clear()  # the next store's copy stops halfway: the watchdog leaves a task alone while it copies
+    task = tier.submit_store_task([key(2)], [memory(b"s" * 64)])
+    with pytest.raises(TierClearError, match=r"1 store task\(s\) still running after 0.3 s .*nothing was cleared"):
+        tier.clear_objects()
+    assert set(tier.objects) == {tier._name(key(1))}
+    tier.copy_gate.set()
+    assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
+    assert tier.clear_objects() == 2
+
+
+def test_a_tier_that_cannot_clear_says_so_and_keeps_its_keys(memory):
+    class Plain(DictTier):
+        _clear_tier = TaskL2Adapter._clear_tier
+
+    plain = Plain()
+    try:
+        assert store(plain, [key(1)], [memory(b"p" * 8)]).is_successful()
+        with pytest.raises(TierClearError, match="Plain cannot clear its objects"):
+            plain.clear_objects()
+        assert plain.report_status()["objects"] == 1 and lookup(plain, [key(1)]).popcount() == 1
+    finally:
+        plain.close()
