@@ -1,11 +1,13 @@
 """The main job, end to end on one machine: RL-style rollouts of a tiny MoE with KV reuse and routed experts.
 
 ``lmcache-r3 server`` starts the LMCache MP server from an ``LMCACHE_CONFIG_FILE`` (``demo/demo.yaml`` with free
-ports); vLLM (CPU) serves a tiny Qwen3-MoE with lmcache_r3's ``LMCacheMPConnector``, configured from the same file.
-A batch of multi-turn conversations shares a system prompt; each turn extends the previous turn's prompt and answer,
-and vLLM's prefix cache is reset between turns, so the shared prefixes come back from LMCache. Every request's
-routed experts are then checked against a cold run of the same tokens (no vLLM cache, LMCache emptied). Run it
-with ``make demo`` or ``lmcache-r3 demo``; it exits non-zero on any mismatch.
+ports and lmcache_r3's shm tier below L1); vLLM (CPU) serves a tiny Qwen3-MoE with lmcache_r3's
+``LMCacheMPConnector``, configured from the same file. A batch of multi-turn conversations shares a system prompt;
+each turn extends the previous turn's prompt and answer, and vLLM's prefix cache is reset between turns, so the
+shared prefixes come back from LMCache. Every request's routed experts are then checked against a cold run of the
+same tokens, after the reset an RL trainer makes after a weight update (``reset_prefix_cache(reset_connector=True)``:
+vLLM's prefix cache, LMCache's L1 and the tier). Run it with ``make demo`` or ``lmcache-r3 demo``; it exits
+non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -28,6 +31,8 @@ from lmcache_r3.mp.server_process import LMCacheServer, start_written_config_ser
 from lmcache_r3.output import SOURCES_KEY, RoutedExpertsUnavailable, routed_experts
 
 BLOCK_SIZE = 32
+SHM_BYTES = 256 << 20
+"""Capacity of the demo's shm tier."""
 EXAMPLE_CONFIG = Path(__file__).with_name("demo.yaml")
 DEMO_CONFIG_NAME = "lmcache_r3.yaml"
 """The demo's config file in its work folder: the example with free ports."""
@@ -63,6 +68,8 @@ class DemoResult:
     seconds: float
     baseline_tokens_equal: bool | None = None
     problems: list[str] = field(default_factory=list)
+    tier_counters: dict[str, int] = field(default_factory=dict)
+    """The shm tier's counters at the end (``stored_objects``, ``cleared_objects``, ...)."""
 
     @property
     def lmcache_tokens(self) -> int:
@@ -97,13 +104,22 @@ def words(length: int, seed: int) -> list[int]:
     return [FIRST_WORD_ID + int(t) for t in np.random.default_rng(seed).integers(0, 1000, size=length)]
 
 
-def write_demo_config(workdir: Path) -> Path:
-    """``demo.yaml`` with two free loopback ports, in ``workdir``."""
+def write_demo_config(workdir: Path, shm_root: Path | None = None) -> Path:
+    """``demo.yaml`` with two free loopback ports, in ``workdir``; with ``shm_root``, lmcache_r3's shm tier there
+    below L1."""
     text = EXAMPLE_CONFIG.read_text()
     text = text.replace("port: 5555", f"port: {free_port()}").replace("http_port: 8080", f"http_port: {free_port()}")
+    if shm_root is not None:
+        text += f"\ntiers:\n  - type: shm\n    root: {json.dumps(str(shm_root))}\n    capacity_bytes: {SHM_BYTES}\n"
     path = workdir / DEMO_CONFIG_NAME
     path.write_text(text)
     return path
+
+
+def demo_shm_root() -> Path:
+    """A new directory (mode 0700) for the demo's shm tier: under /dev/shm where there is one."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="lmcache_r3-demo-shm-", dir=shm if shm.is_dir() else None))
 
 
 class Rollouts:
@@ -132,11 +148,13 @@ class Rollouts:
         return results
 
     def reset_caches(self, lmcache_too: bool) -> int:
-        """Reset vLLM's prefix cache after LMCache's stores settled, and with ``lmcache_too`` empty LMCache's L1;
-        returns the objects LMCache still holds (0 unless ``lmcache_too``)."""
+        """Reset vLLM's prefix cache after LMCache's stores settled; with ``lmcache_too`` as after a weight update
+        (``reset_prefix_cache(reset_connector=True)``: LMCache's L1 and lmcache_r3's tiers too). Returns the objects
+        LMCache's L1 still holds (0 unless ``lmcache_too``)."""
         self.server.wait_for_stores()
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache (a request is still running)")
+        if not self.llm.reset_prefix_cache(reset_connector=lmcache_too):
+            raise RuntimeError("the cache reset failed: a request is still running, or an LMCache tier could not be "
+                               "cleared (the engine's log says which)")  # fmt: skip
         return self._clear_lmcache() if lmcache_too else 0
 
     def _clear_lmcache(self, timeout_s: float = 10.0) -> int:
@@ -182,7 +200,7 @@ def run_rollouts(llm: Any, server: LMCacheServer, conversations: int, turns: int
             # The next turn: this turn's prompt and answer, then the user's next message.
             history[conv] = batch[name] + tokens + words(16, seed=1000 * turn + len(history[conv]))
         rollouts.reset_caches(lmcache_too=False)  # the next turn's shared prefixes must come from LMCache
-    # The reference: every request again, cold (vLLM's prefix cache reset and LMCache emptied before each).
+    # The reference: every request again, cold (vLLM's prefix cache, LMCache's L1 and its tier emptied before each).
     for result in requests:
         left = rollouts.reset_caches(lmcache_too=True)
         tokens, _, sources, rows = rollouts.generate({result.name: prompts_of[result.name]})[result.name]
@@ -284,12 +302,17 @@ def main(argv: list[str] | None = None) -> int:
           f"top-{shape.top_k}")  # fmt: skip
     model_dir = build_tiny_moe(shape, args.model_cache)
     print(f"[2/4] lmcache-r3 server --config {workdir / DEMO_CONFIG_NAME} (log {workdir / 'lmcache-server.log'})")
-    config_file, server = start_written_config_server(
-        lambda: write_demo_config(workdir), workdir / "lmcache-server.log"
-    )
+    shm_root = demo_shm_root()
+    try:
+        config_file, server = start_written_config_server(
+            lambda: write_demo_config(workdir, shm_root), workdir / "lmcache-server.log"
+        )
+    except BaseException:
+        shutil.rmtree(shm_root, ignore_errors=True)
+        raise
     os.environ["LMCACHE_CONFIG_FILE"] = str(config_file)
     try:
-        print(f"      ready, pid {server.pid}, {server.url}")
+        print(f"      ready, pid {server.pid}, {server.url}; L2: lmcache_r3's shm tier at {shm_root}")
         print("[3/4] vLLM (CPU) with lmcache_r3's LMCacheMPConnector (configured from LMCACHE_CONFIG_FILE)")
         started = time.monotonic()
         llm = make_llm(model_dir, CONNECTOR)
@@ -302,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             llm.llm_engine.engine_core.shutdown()  # while the server still answers
         result.engine_start_s = engine_start_s
+        (tier,) = server.status()["storage_manager"]["l2_adapters"]
+        result.tier_counters = tier["counters"]
     finally:
         server.process.stop()
+        shutil.rmtree(shm_root, ignore_errors=True)
     if args.compare_without_connector:
         result.baseline_tokens_equal = baseline_tokens_equal(model_dir, result, args.max_tokens)
     print_report(result)

@@ -1,6 +1,8 @@
 """The main job (`make demo`) end to end: `lmcache-r3 server` from a config file, vLLM (CPU) with lmcache_r3's
 connector, multi-turn rollouts with vLLM's prefix cache reset between turns. Every request's routed experts and
-greedy tokens must equal a cold run, and LMCache must have served part of the prompts. Runs the demo in a child
+greedy tokens must equal a cold run, and LMCache must have served part of the prompts. Each cold run follows the
+reset of a weight update (``reset_prefix_cache(reset_connector=True)`` in the engine), which must empty LMCache's L1
+and its shm tier: the demo fails a cold run that LMCache served anything. Runs the demo in a child
 process (the engine spawns processes of its own and needs a `__main__` guard)."""
 
 import json
@@ -29,6 +31,9 @@ def test_demo_serves_prefixes_from_lmcache_with_routed_experts_equal_to_a_cold_r
     requests = result["requests"]
     assert len(requests) == 12 and result["ok"]
     assert result["lmcache_tokens"] > 0, "no prefix came back from LMCache"
+    tier = result["tier_counters"]
+    assert tier["stored_objects"] > 0 and tier["clears"] == 12, tier  # one reset before each cold run
+    assert tier["cleared_objects"] > 0, tier
     for request in requests:
         if not request["name"].endswith("/turn1"):  # the previous turn is reused, from LMCache or a sibling's load
             assert request["lmcache_tokens"] + request["vllm_cached_tokens"] >= 128, request
