@@ -10,18 +10,20 @@ clear. The connector's ``reset_cache`` and ``lmcache-r3 clear`` use it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lmcache_r3.mp import protocol
-from lmcache_r3.mp.r3_client import R3ClientError, R3TimeoutError, ServerModuleClient
+from lmcache_r3.mp.r3_client import R3Call, R3ClientError, R3TimeoutError, ServerModuleClient
 
 CLEAR_TIMEOUT_S = 60.0
 """Bound on one clear: a tier first waits (up to its task timeout) for the stores in flight, then removes every
-object it holds (a shm root of 100k objects takes a few seconds)."""
+object it holds (the shm tier cleared 20,000 objects in 0.54 s here, 27 us an object)."""
 
 NO_MODULE = "unknown server module method"
 """How LMCache answers a server-module call to a server that did not load lmcache_r3's module."""
 
 
+@dataclass(frozen=True)
 class ServerCleared:
     """One server's answer: ``response`` (None when it gave none) and what was not cleared, each with the reason.
 
@@ -29,11 +31,10 @@ class ServerCleared:
     there, and lmcache_r3 tiers loaded into it, if any, are not cleared.
     """
 
-    def __init__(self, url: str, response: protocol.ClearResponse | None, problems: list[str], no_module: bool):
-        self.url = url
-        self.response = response
-        self.problems = problems
-        self.no_module = no_module
+    url: str
+    response: protocol.ClearResponse | None
+    problems: list[str]
+    no_module: bool = False
 
 
 def clear_servers(urls: Sequence[str], timeout_s: float = CLEAR_TIMEOUT_S) -> list[ServerCleared]:
@@ -47,14 +48,14 @@ def clear_servers(urls: Sequence[str], timeout_s: float = CLEAR_TIMEOUT_S) -> li
             client.close()
 
 
-def _answer(url: str, call) -> ServerCleared:
+def _answer(url: str, call: R3Call[protocol.ClearResponse]) -> ServerCleared:
     try:
         response = call.result()
     except R3TimeoutError:
-        return ServerCleared(url, None, [f"{url}: no answer to the clear within the bound; is the server up?"], False)
+        return ServerCleared(url, None, [f"{url}: no answer to the clear within the bound; is the server up?"])
     except R3ClientError as err:
         if NO_MODULE in str(err):
-            return ServerCleared(url, None, [], True)
-        return ServerCleared(url, None, [f"{url}: {err}"], False)
+            return ServerCleared(url, None, [], no_module=True)
+        return ServerCleared(url, None, [f"{url}: {err}"])
     problems = [f"{url}: L2 tier {tier.index} ({tier.type}): {tier.error}" for tier in response.failures]
-    return ServerCleared(url, response, problems, False)
+    return ServerCleared(url, response, problems)

@@ -588,12 +588,15 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         every server, then lmcache_r3's of L1 and the lmcache_r3 tiers below it (LMCache's own clear leaves every L2
         tier as it was, and the next rollout would be served the old policy's KV and routing from there). R3 stores
         still batched or in flight land first, so none arrives after the clear. False, with the reason logged, when
-        anything may still hold objects from before."""
+        anything may still hold objects from before (a server that does not answer costs LMCache's ``mq_timeout_s``,
+        once)."""
         if self.role != KVConnectorRole.SCHEDULER:
             return None
         if self.routed is not None:
             self.routed.settle(self.routed.fetch_timeout_s)
-        l1_cleared = super().reset_cache()
+        if not super().reset_cache():  # a server did not answer LMCache's own clear within mq_timeout_s
+            logger.error("lmcache_r3: reset_cache: LMCache's clear failed (see above); the L2 tiers were not cleared")
+            return False
         answers = clear_servers(list(self.scheduler_adapter._server_urls))
         for answer in answers:
             for problem in answer.problems:
@@ -601,7 +604,7 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             if answer.no_module:
                 logger.warning("lmcache_r3: reset_cache: %s has no lmcache_r3 server module (a stock lmcache server?): "
                                "only its L1 was cleared, not its L2 tiers", answer.url)  # fmt: skip
-        return bool(l1_cleared) and not any(answer.problems for answer in answers)
+        return not any(answer.problems for answer in answers)
 
     # -- vLLM's metrics ----------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> R3ConnectorStats | None:

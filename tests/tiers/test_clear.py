@@ -180,3 +180,17 @@ def test_a_clear_waits_for_the_stores_in_flight_so_none_of_their_objects_survive
     finally:
         tier.close()
         other.close()
+
+
+@pytest.mark.harness
+def test_a_reset_with_the_server_gone_answers_false_within_the_connectors_bound(
+    r3_server_factory, shm_root, scheduler_harness_factory
+):
+    server = r3_server_factory(l2_adapters=(shm_tier(shm_root),))
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, mq_timeout_s=2.0)
+    harness.generate([("before", prompt(2 * CHUNK + 3, seed=33))], max_tokens=2)
+    harness.settle_stores()
+    server.stop()
+    began = time.monotonic()
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True) is False
+    assert time.monotonic() - began < 10, "the reset waited past LMCache's mq_timeout_s for a dead server"
