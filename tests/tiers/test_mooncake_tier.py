@@ -537,6 +537,24 @@ def test_an_object_of_another_size_is_a_miss_and_never_reaches_l1(adapter, moonc
     mooncake_store.remove(name, True)
 
 
+@pytest.mark.parametrize(
+    ("prefix", "lookalike"),
+    [("team.a/", "teamXa/"), ("a(b)[c]{d}|e+?/", "e/")],  # what the prefix would match unescaped
+    ids=["dot", "every syntax character"],
+)
+def test_a_prefix_with_regex_syntax_clears_exactly_its_own_keys_in_mooncake(mooncake_store, prefix, lookalike):
+    from lmcache_r3.tiers.mooncake_store import prefix_pattern
+
+    tag = uuid.uuid4().hex[:8]
+    ours, others = [f"{prefix}{tag}/{i}" for i in range(3)], [f"{lookalike}{tag}/0", f"x{prefix}{tag}/0"]
+    for key in ours + others:
+        assert mooncake_store.put(key, b"v" * 8) == 0
+    assert mooncake_store.remove_by_regex(prefix_pattern(f"{prefix}{tag}/"), True) == 3
+    assert [mooncake_store.is_exist(key) for key in ours] == [0, 0, 0]
+    assert [mooncake_store.is_exist(key) for key in others] == [1, 1], "a clear removed another prefix's keys"
+    mooncake_store.batch_remove(others, True)
+
+
 def test_eviction_removes_an_object_from_mooncake_but_never_a_locked_one(adapter, mooncake_store):
     from lmcache_r3.tiers.mooncake_adapter import mooncake_key
 
