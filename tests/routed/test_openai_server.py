@@ -194,3 +194,19 @@ def test_the_servers_prometheus_metrics_count_the_routing_lmcache_served(api_ser
     while (moved := {name: api_server.metric(name) - before[name] for name in counters}) != expected:
         assert time.monotonic() < deadline, f"metrics moved by {moved}, expected {expected}"
         time.sleep(0.2)
+
+
+def test_a_reset_with_the_external_cache_serves_the_next_request_nothing_from_before(api_server):
+    """The reset an RL trainer sends the server after a weight update (``reset_external``: the connector's
+    ``reset_cache``, which clears LMCache's L1 and lmcache_r3's tiers): the same prompt is then computed whole."""
+    prompt = words(150, seed=9041)
+    first = api_server.complete(prompt)
+    api_server.lmcache.wait_for_stores()
+    assert api_server.post("/reset_prefix_cache?reset_external=true", {}) == {"success": True}
+    again = api_server.complete(prompt)
+    tokens = tokens_of(again["choices"][0])
+    assert tokens == tokens_of(first["choices"][0])
+    sources = again["kv_transfer_params"][SOURCES_KEY]
+    assert sources["lmcache_tokens"] == 0 and sources["vllm_cached_tokens"] == 0, sources
+    np.testing.assert_array_equal(routed_experts_from_params(again["kv_transfer_params"], tokens),
+                                  routed_experts_from_params(first["kv_transfer_params"], tokens))  # fmt: skip
