@@ -97,9 +97,9 @@ def _clear(args: argparse.Namespace) -> int:
         return 2
     (answer,) = clear_servers([url], timeout_s=args.timeout)
     if answer.no_module:
-        print(f"lmcache-r3 clear: {url} has no lmcache_r3 server module (a stock lmcache server?); start it with "
-              "`lmcache-r3 server`, or clear its L1 with POST /cache/clear (its L2 tiers then stay)",
-              file=sys.stderr)  # fmt: skip
+        print(f"lmcache-r3 clear: {url} did not answer lmcache_r3's info: no server there, or one without the "
+              "lmcache_r3 server module (a stock lmcache server: start it with `lmcache-r3 server`, or clear its L1 "
+              "with POST /cache/clear; its L2 tiers then stay)", file=sys.stderr)  # fmt: skip
         return 1
     if answer.response is not None:
         tiers = [{"tier": t.index, "type": t.type, "removed": t.removed, **({"error": t.error} if t.error else {})}

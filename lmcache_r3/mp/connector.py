@@ -601,10 +601,13 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         for answer in answers:
             for problem in answer.problems:
                 logger.error("lmcache_r3: reset_cache: %s", problem)
-            if answer.no_module:
+            if answer.no_module and self.routed is None:
                 logger.warning("lmcache_r3: reset_cache: %s has no lmcache_r3 server module (a stock lmcache server?): "
                                "only its L1 was cleared, not its L2 tiers", answer.url)  # fmt: skip
-        return not any(answer.problems for answer in answers)
+            elif answer.no_module:  # routed experts need the module: its silence is a fault, not a stock server
+                logger.error("lmcache_r3: reset_cache: %s did not answer lmcache_r3's info; its tiers were not "
+                             "cleared", answer.url)  # fmt: skip
+        return not any(answer.problems or (answer.no_module and self.routed is not None) for answer in answers)
 
     # -- vLLM's metrics ----------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> R3ConnectorStats | None:

@@ -106,8 +106,8 @@ class ServerModuleClient:
         bound = self.timeout_s if timeout_s is None else timeout_s
         return R3Call(method, future, response_type, time.monotonic() + bound)
 
-    def info(self) -> R3Call[protocol.InfoResponse]:
-        return self._call(protocol.METHOD_INFO, None, protocol.InfoResponse)
+    def info(self, timeout_s: float | None = None) -> R3Call[protocol.InfoResponse]:
+        return self._call(protocol.METHOD_INFO, None, protocol.InfoResponse, timeout_s)
 
     def clear(self, timeout_s: float = 60.0) -> R3Call[protocol.ClearResponse]:
         """Clear the server's L1, then every lmcache_r3 tier below it: all their objects, KV and R3 of every model,

@@ -150,7 +150,7 @@ def test_a_server_that_does_not_answer_is_reported_within_the_bound(capsys):
     began = time.monotonic()
     assert cli.main(["clear", "--url", url, "--timeout", "1"]) == 1
     assert time.monotonic() - began < 5
-    assert f"{url}: no answer to the clear" in capsys.readouterr().err
+    assert f"{url} did not answer lmcache_r3's info: no server there" in capsys.readouterr().err
 
 
 def test_a_clear_waits_for_the_stores_in_flight_so_none_of_their_objects_survives(shm_root, monkeypatch):
@@ -194,3 +194,17 @@ def test_a_reset_with_the_server_gone_answers_false_within_the_connectors_bound(
     began = time.monotonic()
     assert harness.scheduler.reset_prefix_cache(reset_connector=True) is False
     assert time.monotonic() - began < 10, "the reset waited past LMCache's mq_timeout_s for a dead server"
+
+
+@pytest.mark.harness
+def test_a_stock_server_without_the_module_keeps_lmcaches_own_reset_and_the_cli_says_what_is_missing(
+    lmcache_server, scheduler_harness_factory, capsys
+):
+    (answer,) = clear_servers([lmcache_server.url])
+    assert answer.no_module and answer.problems == [] and answer.response is None
+    assert cli.main(["clear", "--url", lmcache_server.url]) == 1
+    assert "one without the lmcache_r3 server module" in capsys.readouterr().err
+    harness = scheduler_harness_factory(kind="dense", connector_module=CONNECTOR)  # against lmcache_server
+    began = time.monotonic()
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True) is True  # its L1 cleared, as LMCache does
+    assert time.monotonic() - began < 10, "the reset waited out the tier clear's bound on a server without the module"
