@@ -237,6 +237,7 @@ class MooncakeL2Adapter(TaskL2Adapter):
 
     # -- reconciliation ----------------------------------------------------------------------------------------------
     def _maintain_tier(self) -> None:
+        self._store.remove_late()
         recoveries = self._store.stats()["recoveries"]
         if recoveries != self._seen_recoveries:
             self._seen_recoveries = recoveries
@@ -301,6 +302,8 @@ class MooncakeL2Adapter(TaskL2Adapter):
             "l1_region_bytes": region[1] if (region := self._store.region) else 0,
             "direct_written": store["direct_written"],
             "direct_read": store["direct_read"],
+            "late_puts": store["late_puts"],
+            "late_puts_removed": store["late_puts_removed"],
         }
 
     def _close_tier(self) -> None:

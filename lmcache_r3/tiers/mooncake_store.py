@@ -45,13 +45,16 @@ object moves one of two ways:
 Why both: a copy costs ~1.3 ms per 24 MiB KV object here and dominates its move, while for a 96 KiB R3 object one
 transfer slice is cheaper than two (header and payload) and its copy costs a few microseconds.
 
-A corrupt object is counted as ``CORRUPT`` and removed. Batches are split so one call moves at most
-``batch_max_objects`` objects (Mooncake fails every transfer of a client with more than ~2048 parts in flight) and
-at most ``batch_bytes`` (a bigger object goes alone; direct writes ``DIRECT_PUT_SHARE`` times that, one call at a
-time), and pipelined: while
-a call transfers, the batch before it is checked and copied out (read) or the batch after it is staged or hashed
-(write). Objects of any size round-trip, whatever the client's
-``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls them).
+A corrupt object is counted as ``CORRUPT`` and removed. So is an object a put stored after it was abandoned at its
+bound (the call returned after all): the caller was told it was not stored, and a clear may have come in between;
+:meth:`MooncakeObjectStore.remove_late` removes such objects (the adapter calls it on its maintenance thread).
+
+Batches are split so one call moves at most ``batch_max_objects`` objects (Mooncake fails every transfer of a
+client with more than ~2048 parts in flight) and at most ``batch_bytes`` (a bigger object goes alone; direct writes
+``DIRECT_PUT_SHARE`` times that, one call at a time), and pipelined: while a call transfers, the batch before it is
+checked and copied out (read) or the batch after it is staged or hashed (write). Objects of any size round-trip,
+whatever the client's ``local_buffer_size`` (which only Mooncake's ``put``/``get`` use, and this store never calls
+them).
 
 Example::
 
@@ -118,6 +121,8 @@ class _Call:
     holding: bool = False
     """Whether the call holds the caller's buffers (see :mod:`lmcache_r3.tiers.holds`) until it is done."""
     pending: PendingCall | None = None
+    keys: list[str] = field(default_factory=list)
+    """The keys of ``group``, as the call sent them."""
 
 
 class MooncakeObjectStore:
@@ -130,8 +135,12 @@ class MooncakeObjectStore:
         self._codes: Counter[int] = Counter()
         self._direct_reads_off = False
         self._stats = dict.fromkeys(
-            ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "direct_written", "direct_read"), 0
+            ("hits", "misses", "corrupt", "bytes_written", "bytes_read", "direct_written", "direct_read")
+            + ("late_puts", "late_puts_removed"),
+            0,
         )
+        self._late: list[str] = []
+        """Keys a put abandoned at its bound stored when it returned after all, to remove (:meth:`remove_late`)."""
 
     @property
     def direct_reads(self) -> bool:
@@ -253,7 +262,7 @@ class MooncakeObjectStore:
             raise
         if not direct:  # staged: the caller's memory is not read again
             buffers.release()
-        batch = [keys[i] for i in call.group]
+        batch = call.keys = [keys[i] for i in call.group]
         if direct:
             write = partial(_write_parts, keys=batch, ptrs=ptrs, sizes=sizes)
         else:
@@ -301,6 +310,8 @@ class MooncakeObjectStore:
     def _put_answered(self, call: _Call, got: list[int], payloads: Sequence[memoryview], codes: list[int]) -> None:
         """Take a returned write's codes (and its staging buffer back)."""
         self._client.done_with(call.buf, got)
+        if TIMEOUT in got and call.pending is not None and call.pending.future is not None:
+            call.pending.future.add_done_callback(partial(self._landed_late, call.keys))
         for i, code, address in zip(call.group, got, call.addresses, strict=True):
             codes[i] = OK if code in (OK, OBJECT_ALREADY_EXISTS) else code
             self._add("bytes_written", HEADER.size + payloads[i].nbytes if codes[i] == OK else 0)
@@ -532,6 +543,37 @@ class MooncakeObjectStore:
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each key (forced past read leases); per key 0 or a negative code (-704: already gone)."""
         return self._client.call("remove", len(keys), partial(_remove, keys=list(keys)))
+
+    def _landed_late(self, keys: list[str], future: Any) -> None:
+        """A put abandoned at its bound returned: the objects it stored are to be removed, as the caller was told
+        they were not stored (they are in no tier's accounting, and a clear may have come in between)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        try:
+            landed = [key for key, code in zip(keys, future.result(), strict=True) if int(code) == OK]
+        except Exception:
+            logger.exception("MooncakeObjectStore: a late put of %d keys answered unreadable codes", len(keys))
+            return
+        if landed:
+            with self._lock:
+                self._late.extend(landed)
+                self._stats["late_puts"] += len(landed)
+            logger.warning("MooncakeObjectStore: a put abandoned at its bound stored %d objects after all; they "
+                           "will be removed", len(landed))  # fmt: skip
+
+    def remove_late(self) -> int:
+        """Remove the objects late puts stored (see :meth:`_landed_late`) while the client is up; the number
+        removed. Those it could not remove yet are tried again at the next call."""
+        with self._lock:
+            keys, self._late = self._late, []
+        if not keys:
+            return 0
+        codes = self.remove(keys) if self._client.state == "up" else [UNAVAILABLE] * len(keys)
+        removed = sum(code in (OK, OBJECT_NOT_FOUND) for code in codes)
+        with self._lock:
+            self._late[:0] = [key for key, code in zip(keys, codes, strict=True) if code not in (OK, OBJECT_NOT_FOUND)]
+            self._stats["late_puts_removed"] += removed
+        return removed
 
     def remove_prefix(self, prefix: str) -> int:
         """Remove every object whose key starts with ``prefix`` (forced past read leases: a read in flight then fails

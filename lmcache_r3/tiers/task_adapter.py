@@ -35,6 +35,15 @@ start-up) with their payload sizes and reports them through ``_notify_keys_store
 LMCache's ``get_usage`` and eviction policy see the tier; a listener registered after construction gets the current
 set replayed. Known objects a load finds gone, or the tier removed on its own (:meth:`~TaskL2Adapter._unregister`),
 are reported deleted.
+
+Clears
+------
+:meth:`~TaskL2Adapter.clear_objects` waits for the store tasks running when it began, then starts a new *clear
+epoch* and has the tier remove everything. A store task carries the epoch it was submitted in: one that publishes
+objects in a later epoch (the watchdog failed it while the tier stalled, or it was submitted while the clear waited)
+removes them again and is not registered, so nothing stored before a clear is there after it (counted as
+``voided_objects``). The check comes after the publish, so an object the clear's listing missed is still removed;
+between the two, a lookup on another server may find it.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -67,7 +77,7 @@ KINDS = ("store", "lookup", "load")
 
 COUNTERS = tuple(
     "errors timeouts store_tasks stored_objects store_failures lookup_tasks lookup_hits lookup_misses load_tasks "
-    "loaded_objects load_failures deleted_objects delete_skipped_locked clears cleared_objects".split()
+    "loaded_objects load_failures deleted_objects delete_skipped_locked clears cleared_objects voided_objects".split()
 )
 """The counters every tier reports under ``report_status()["counters"]``."""
 
@@ -94,6 +104,8 @@ class Task:
     expired: bool = False
     """It asked for a hold after the task timeout: refused, as is every later one, so a task whose copies keep
     overlapping (one hold taken before the last is released) still ends; it completes as a timeout."""
+    epoch: int = 0
+    """The clear epoch it was submitted in (see "Clears" in the module)."""
 
 
 class TaskBuffers(CallerBuffers):
@@ -163,6 +175,8 @@ class TaskL2Adapter(L2AdapterInterface):
         self._deleting: dict[Hashable, int] = {}
         """Names a delete chose (unlocked) and is removing: a lookup meanwhile takes them for misses."""
         self._known: dict[Hashable, tuple[ObjectKey, int]] = {}
+        self._epoch = 0
+        """Clears begun (see "Clears" in the module)."""
         self._counters = dict.fromkeys((*COUNTERS, self.VANISHED, *extra_counters), 0)
         self._last_stall = float("-inf")
         self._closed = False
@@ -272,6 +286,7 @@ class TaskL2Adapter(L2AdapterInterface):
         completes."""
         task = Task(tid=next(self._ids), kind=kind, size=size)
         with self._lock:
+            task.epoch = self._epoch
             self._pending[task.tid] = task
             self._counters[f"{kind}_tasks"] += 1
         try:
@@ -377,13 +392,23 @@ class TaskL2Adapter(L2AdapterInterface):
         finally:
             ok = ok and len(stored_keys) == len(keys)
             try:
-                self._register(stored_keys, stored_sizes, stored_names)
+                if stored_names and not self._register(stored_keys, stored_sizes, stored_names, epoch=task.epoch):
+                    ok, stored_keys = False, []
+                    self._void(task, stored_names)
                 with self._lock:
                     self._counters["stored_objects"] += len(stored_keys)
                     self._counters["store_failures"] += len(keys) - len(stored_keys)
             except Exception:
                 logger.exception("%s: accounting a store failed", type(self).__name__)
             self._finish(task, L2StoreResult(ok, written))
+
+    def _void(self, task: Task, names: list[Hashable]) -> None:
+        """Remove what a store task published after a clear that began once it was submitted."""
+        with self._removing(names):
+            gone = list(self._remove(names))
+        self._count("voided_objects", len(names))
+        logger.warning("%s: store task %d published %d objects after a clear; removed %d of them again",
+                       type(self).__name__, task.tid, len(names), len(gone))  # fmt: skip
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -525,29 +550,37 @@ class TaskL2Adapter(L2AdapterInterface):
             with self._lock:
                 targets = [name for name in names if self._locks.get(name, 0) <= 0]
                 self._counters["delete_skipped_locked"] += len(names) - len(targets)
-                for name in targets:  # a lookup from now until they are removed takes them for misses
-                    self._deleting[name] = self._deleting.get(name, 0) + 1
-            try:
+            with self._removing(targets):
                 gone = list(self._remove(targets))
-            finally:
-                with self._lock:
-                    for name in targets:
-                        count = self._deleting.pop(name)
-                        if count > 1:
-                            self._deleting[name] = count - 1
             self._count("deleted_objects", self._unregister(gone))
         except Exception:
             self._count("errors")
             logger.exception("%s: delete of %d keys failed", type(self).__name__, len(keys))
 
+    @contextmanager
+    def _removing(self, names: list[Hashable]) -> Iterator[None]:
+        """Inside the block (the tier removing ``names``), a lookup takes them for misses."""
+        with self._lock:
+            for name in names:
+                self._deleting[name] = self._deleting.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for name in names:
+                    count = self._deleting.pop(name)
+                    if count > 1:
+                        self._deleting[name] = count - 1
+
     def clear_objects(self) -> int:
         """Remove every object of the tier (what a policy update needs: see docs/tiers.md); the number removed.
 
-        The store tasks running when it is called finish first (at most the task timeout), so no object they were
-        given lands after the clear; then the tier removes everything it holds, every server's objects on a shared
-        root or Mooncake prefix, and the adapter forgets (and reports deleted) every key it knew. Objects a lookup
-        locked are removed too: their loads miss, as loads may. Raises :class:`TierClearError` when the stores in
-        flight did not finish in time or the tier could not be cleared.
+        The store tasks running when it is called finish first (at most the task timeout), and a store task that
+        publishes after the clear began (one the watchdog failed) removes its objects again (see "Clears" in the
+        module), so nothing stored before the clear is there after it. The tier removes everything it holds, every
+        server's objects on a shared root or Mooncake prefix, and the adapter forgets (and reports deleted) every
+        key it knew. Objects a lookup locked are removed too: their loads miss, as loads may. Raises
+        :class:`TierClearError` when the stores in flight did not finish in time or the tier could not be cleared.
         """
         with self._idle:
             stores = {tid for tid, task in self._pending.items() if task.kind == "store"}
@@ -558,6 +591,8 @@ class TaskL2Adapter(L2AdapterInterface):
                 f"{running} store task(s) still running after {self._timeout:g} s (task_timeout_seconds): "
                 "nothing was cleared; clear again once the tier answers"
             )
+        with self._lock:
+            self._epoch += 1
         removed = self._clear_tier()
         with self._lock:
             gone = list(self._known.values())
@@ -601,13 +636,18 @@ class TaskL2Adapter(L2AdapterInterface):
             except Exception:
                 logger.exception("%s: replaying %d known keys to a listener failed", type(self).__name__, len(snapshot))
 
-    def _register(self, keys: list[ObjectKey], sizes: list[int], names: list[Hashable] | None = None) -> None:
+    def _register(
+        self, keys: list[ObjectKey], sizes: list[int], names: list[Hashable] | None = None, epoch: int | None = None
+    ) -> bool:
         """Know ``keys`` (tier keys ``names``, worked out when not given) with their payload sizes; the ones not
-        known yet are reported stored."""
+        known yet are reported stored. With ``epoch``, only while that clear epoch lasts: False, and nothing known,
+        once a later clear began."""
         if names is None:
             names = [self._name(key) for key in keys]
         new_keys, new_sizes = [], []
         with self._lock:
+            if epoch is not None and epoch != self._epoch:
+                return False
             for key, size, name in zip(keys, sizes, names, strict=True):
                 known = name in self._known
                 self._known[name] = (key, size)  # a new entry each time: see _unregister's ``seen``
@@ -616,6 +656,7 @@ class TaskL2Adapter(L2AdapterInterface):
                     new_sizes.append(size)
         if new_keys:
             self._notify_keys_stored(new_keys, new_sizes)
+        return True
 
     def _unregister(self, names: Iterable[Hashable], seen: dict[Hashable, Any] | None = None) -> int:
         """Forget ``names``; the ones known are reported deleted. The number forgotten.

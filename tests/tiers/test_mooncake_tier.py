@@ -431,6 +431,8 @@ class _FaultyClient:
     def __init__(self, client, methods: tuple[str, ...], fault: str, slow_s: float = 0.0) -> None:
         self._client, self._methods, self._fault, self._slow_s = client, methods, fault, slow_s
         self.release = threading.Event()
+        self.returned = threading.Event()
+        """Set when a faulty method's real call returned."""
 
     def __getattr__(self, name):
         real = getattr(self._client, name)
@@ -444,7 +446,10 @@ class _FaultyClient:
                 time.sleep(self._slow_s)
             else:
                 self.release.wait(30)
-            return real(*args, **kwargs)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.returned.set()
 
         return faulty
 
@@ -652,6 +657,34 @@ def test_a_stalled_mooncake_call_is_abandoned_within_its_bound_and_never_writes_
     client._native = faulty._client
     wait_for(lambda: adapter.report_status()["is_healthy"], 5, "healthy again")
     assert _load(adapter, 3, into) == 1 and into.data == payload
+
+
+def test_a_put_abandoned_at_its_bound_that_lands_after_a_clear_is_removed_from_mooncake(adapter, mooncake_store):
+    """The tier reported the store failed (its put call outlived the call bound), a policy update's clear came, and
+    then the put Mooncake was still running stored the object after all: the tier removes it, so nothing stored
+    before the clear is served after it."""
+    from lmcache_r3.tiers.mooncake_adapter import mooncake_key
+
+    assert _store(adapter, 6, os.urandom(4096))
+    client = adapter._store._client
+    faulty = _FaultyClient(client._native, ("batch_put_from",), "stall")
+    client._native = faulty
+    try:
+        (stored, took) = timed(lambda: _store(adapter, 7, os.urandom(4096)))
+        assert not stored and took < 3, f"a stalled put took {took:.1f} s"
+        client._native = faulty._client
+        wait_for(lambda: adapter.report_status()["state"] == "up", 5, "calls let through again")
+        assert adapter.clear_objects() == 1
+    finally:
+        faulty.release.set()  # the abandoned put reaches Mooncake now, after the clear
+    assert faulty.returned.wait(5), "the abandoned put never returned"
+    name = mooncake_key(_key(7), adapter._prefix)
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: mooncake_store.is_exist(name) == 0, 3, "gone")
+    assert mooncake_store.is_exist(name) == 0, "Mooncake holds an object stored before the clear after it"
+    status = adapter.report_status()
+    assert status["late_puts"] == 1 and status["late_puts_removed"] == 1, "the late put did not store: nothing tested"
+    assert _lookup(adapter, 7) == 0 and adapter.report_status()["objects"] == 0
 
 
 # -- small tasks completed on the client's call threads ---------------------------------------------------------------

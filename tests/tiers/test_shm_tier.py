@@ -277,6 +277,51 @@ def test_a_stalled_store_is_failed_by_the_watchdog_and_reported_unhealthy(adapte
     release.set()
 
 
+def test_a_store_failed_by_the_watchdog_that_publishes_after_a_clear_leaves_no_file_on_the_root(shm_root, monkeypatch):
+    """After a policy update's clear nothing stored before it may be served: a store that copied its object and then
+    stalled before publishing it (the tier's file system stalls: ``publish`` is held here) past the task timeout is
+    failed, so the clear does not wait for it; when it publishes after the clear, its file goes again."""
+    import threading
+
+    from lmcache_r3.tiers import shm_store
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 0.3,
+                         "inline_max_bytes": 0})  # fmt: skip
+    release, published = threading.Event(), threading.Event()
+    real_publish = shm_store.publish
+
+    def stalled_publish(temp: str, path: str) -> None:
+        release.wait(10)
+        real_publish(temp, path)
+        published.set()
+
+    try:
+        assert _store_one(tier, 1, b"o" * 4096)
+        monkeypatch.setattr(shm_store, "publish", stalled_publish)
+        assert not _store_one(tier, 2, b"n" * 4096), "the stalled store was not failed by the watchdog"
+        assert tier.clear_objects() == 1 and tier_files(shm_root) == set()
+        release.set()  # the stalled store publishes its file now
+        assert published.wait(5), "the stalled store never published"
+        assert wait_for(lambda: len(tier_files(shm_root)), 0, 3) == 0, "an object stored before the clear stayed"
+        assert tier.report_status()["counters"]["voided_objects"] == 1
+        lookup = tier.submit_lookup_and_lock_task([_key(2)], {})
+        assert _signalled(tier.get_lookup_and_lock_event_fd(), 3)
+        assert tier.query_lookup_and_lock_result(lookup).popcount() == 0
+        status = tier.report_status()
+        assert status["objects"] == 0 and tier.get_usage().total_bytes_used == 0
+        monkeypatch.setattr(shm_store, "publish", real_publish)
+        assert _store_one(tier, 2, b"n" * 4096) and len(tier_files(shm_root)) == 1, "a store after the clear stays"
+    finally:
+        release.set()
+        tier.close()
+
+
+def _store_one(tier, i: int, payload: bytes) -> bool:
+    task = tier.submit_store_task([_key(i)], [CallerBuffer(payload)])
+    return completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
+
+
 def test_a_big_task_copied_on_several_threads_comes_back_byte_equal_with_failures_isolated(shm_root, monkeypatch):
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
 

@@ -21,7 +21,8 @@ from tests.support.l2_tasks import completed, object_key
 
 class DictTier(TaskL2Adapter):
     """A tier over a dict. ``failing`` names operations that raise; while ``gate`` is clear, operations block; while
-    ``copy_gate`` is clear, a copy into or out of the caller's buffer blocks halfway (under its hold)."""
+    ``copy_gate`` is clear, a copy into or out of the caller's buffer blocks halfway (under its hold); while
+    ``publish_gate`` is clear, a put blocks between its copy and its publish (holding nothing)."""
 
     def __init__(self, task_timeout_s: float = 0.3, drain_s: float = 0.5) -> None:
         self.objects: dict[str, bytes] = {}
@@ -30,6 +31,8 @@ class DictTier(TaskL2Adapter):
         self.gate.set()
         self.copy_gate = threading.Event()
         self.copy_gate.set()
+        self.publish_gate = threading.Event()
+        self.publish_gate.set()
         super().__init__(
             capacity_bytes=1 << 20,
             task_timeout_s=task_timeout_s,
@@ -65,6 +68,7 @@ class DictTier(TaskL2Adapter):
                     self._copy(data, view)
             except BuffersGone:
                 return
+            self.publish_gate.wait(10)
             new = name not in self.objects
             self.objects[name] = bytes(data)
             yield i, view.nbytes, view.nbytes if new else 0
@@ -403,6 +407,28 @@ def test_a_store_stuck_in_a_copy_of_the_callers_buffer_fails_the_clear_and_nothi
     tier.copy_gate.set()
     assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
     assert tier.clear_objects() == 2
+
+
+def test_a_store_the_watchdog_failed_that_publishes_after_a_clear_removes_its_object_again(tier, memory):
+    """A policy update's clear must leave nothing stored before it: a store that stalled past the task timeout
+    (failed, so the clear does not wait for it) and publishes once the tier answers again is undone."""
+    assert store(tier, [key(1)], [memory(b"o" * 32)]).is_successful()
+    tier.publish_gate.clear()  # the next store copies its object, then stalls before publishing it
+    assert not store(tier, [key(2)], [memory(b"n" * 32)]).is_successful()  # failed by the watchdog
+    assert tier.report_status()["counters"]["timeouts"] == 1
+    assert tier.clear_objects() == 1
+    tier.publish_gate.set()  # the stalled store publishes now, after the clear
+    deadline = time.monotonic() + 5
+    while tier.report_status()["counters"]["voided_objects"] < 1:
+        assert time.monotonic() < deadline, "the late store never reported back"
+        time.sleep(0.01)
+    assert tier.objects == {}, "an object stored before the clear is in the tier after it"
+    assert lookup(tier, [key(2)]).popcount() == 0
+    status = tier.report_status()
+    assert status["objects"] == 0 and status["counters"]["stored_objects"] == 1
+    assert tier.get_usage().total_bytes_used == 0
+    assert store(tier, [key(2)], [memory(b"n" * 32)]).is_successful(), "a store after the clear is kept"
+    assert set(tier.objects) == {tier._name(key(2))} and lookup(tier, [key(2)]).popcount() == 1
 
 
 def test_a_tier_that_cannot_clear_says_so_and_keeps_its_keys(memory):
