@@ -201,7 +201,7 @@ def main():
         r3_server_s = 1e-6 * (r3_module.get("store_handler_us", 0) + r3_module.get("read_handler_us", 0))
     finally:
         for llm in engines.values():
-            llm.llm_engine.engine_core.shutdown()
+            demo.stop_llm(llm)
         server.process.stop()
     Path({str(out)!r}).write_text(json.dumps({{"wall": {{str(k): v for k, v in times.items()}},
                                                "cpu": {{str(k): v for k, v in cpu.items()}},

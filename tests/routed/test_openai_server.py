@@ -45,7 +45,9 @@ class OpenAIServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "1024",
                 "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
                 "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--chat-template", str(template),
-                "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
+                "--kv-transfer-config", json.dumps(transfer),
+                # vLLM's default (0) force-kills the engine core on SIGTERM, leaving its shared memory in /dev/shm.
+                "--shutdown-timeout", "20"]  # fmt: skip
         # VLLM_SERVER_DEV_MODE: the server's /reset_prefix_cache, so the next request is served from LMCache.
         process = ManagedProcess("vllm api server", argv, log_dir / "vllm-api-server.log",
                                  env={"VLLM_SERVER_DEV_MODE": "1"}, listens=(("127.0.0.1", self.port),))  # fmt: skip

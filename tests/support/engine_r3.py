@@ -144,7 +144,7 @@ def main() -> int:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), required=True)
     parser.add_argument("--mq-timeout", type=float, default=30.0)
     args = parser.parse_args()
-    from lmcache_r3.demo.run import make_llm
+    from lmcache_r3.demo.run import make_llm, stop_llm
 
     server_url = f"tcp://{args.host}:{args.port}"
     extra = {
@@ -163,7 +163,7 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         np.savez(args.out / "arrays.npz", **rec.arrays)
         (args.out / "facts.json").write_text(json.dumps(rec.facts, indent=1, default=str))
-        llm.llm_engine.engine_core.shutdown()
+        stop_llm(llm)
     return 0
 
 
