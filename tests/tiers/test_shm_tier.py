@@ -317,6 +317,36 @@ def test_a_store_failed_by_the_watchdog_that_publishes_after_a_clear_leaves_no_f
         tier.close()
 
 
+def test_a_store_stuck_copying_from_l1_fails_the_clear_and_nothing_is_removed(shm_root, monkeypatch):
+    """A store copying the caller's buffer holds it, so the watchdog must leave it alone; a clear waits for it at most
+    the task timeout, then refuses, saying why, and removes nothing (half a clear would look done); once the copy
+    ends the clear goes through."""
+    import threading
+
+    from lmcache_r3.tiers import shm_store
+    from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
+    from lmcache_r3.tiers.task_adapter import TierClearError
+
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 0.3,
+                         "inline_max_bytes": 0})  # fmt: skip
+    release = threading.Event()
+    real_write_all = shm_store.write_all
+    try:
+        assert _store_one(tier, 1, b"o" * 4096)
+        monkeypatch.setattr(shm_store, "write_all", lambda fd, *parts: release.wait(10) and real_write_all(fd, *parts))
+        task = tier.submit_store_task([_key(2)], [CallerBuffer(b"n" * 4096)])
+        time.sleep(0.1)  # the store is in its copy now
+        with pytest.raises(TierClearError, match=r"1 store task\(s\) still running after 0.3 s .*nothing was cleared"):
+            tier.clear_objects()
+        assert len(tier_files(shm_root)) == 1, "a refused clear removed objects"
+        release.set()
+        assert completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
+        assert tier.clear_objects() == 2 and tier_files(shm_root) == set()
+    finally:
+        release.set()
+        tier.close()
+
+
 def _store_one(tier, i: int, payload: bytes) -> bool:
     task = tier.submit_store_task([_key(i)], [CallerBuffer(payload)])
     return completed(tier.get_store_event_fd(), lambda: tier.pop_completed_store_tasks().get(task)).is_successful()
