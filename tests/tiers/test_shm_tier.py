@@ -286,7 +286,7 @@ def test_a_store_failed_by_the_watchdog_that_publishes_after_a_clear_leaves_no_f
     from lmcache_r3.tiers import shm_store
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
 
-    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 0.3,
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 1.0,
                          "inline_max_bytes": 0})  # fmt: skip
     release, published = threading.Event(), threading.Event()
     real_publish = shm_store.publish
@@ -327,16 +327,22 @@ def test_a_store_stuck_copying_from_l1_fails_the_clear_and_nothing_is_removed(sh
     from lmcache_r3.tiers.shm_adapter import ShmL2Adapter
     from lmcache_r3.tiers.task_adapter import TierClearError
 
-    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 0.3,
+    tier = ShmL2Adapter({"root": shm_root, "capacity_bytes": 1 << 20, "task_timeout_seconds": 1.0,
                          "inline_max_bytes": 0})  # fmt: skip
-    release = threading.Event()
+    release, copying = threading.Event(), threading.Event()
     real_write_all = shm_store.write_all
+
+    def stuck_write_all(fd: int, *parts: memoryview) -> None:
+        copying.set()
+        release.wait(10)
+        real_write_all(fd, *parts)
+
     try:
         assert _store_one(tier, 1, b"o" * 4096)
-        monkeypatch.setattr(shm_store, "write_all", lambda fd, *parts: release.wait(10) and real_write_all(fd, *parts))
+        monkeypatch.setattr(shm_store, "write_all", stuck_write_all)
         task = tier.submit_store_task([_key(2)], [CallerBuffer(b"n" * 4096)])
-        time.sleep(0.1)  # the store is in its copy now
-        with pytest.raises(TierClearError, match=r"1 store task\(s\) still running after 0.3 s .*nothing was cleared"):
+        assert copying.wait(5), "the store never began its copy"
+        with pytest.raises(TierClearError, match=r"1 store task\(s\) still running after 1 s .*nothing was cleared"):
             tier.clear_objects()
         assert len(tier_files(shm_root)) == 1, "a refused clear removed objects"
         release.set()
