@@ -87,10 +87,7 @@ def _clear(args: argparse.Namespace) -> int:
     """Clear one server's L1 and its lmcache_r3 tiers (after a policy update); exit 1 if anything may remain."""
     from lmcache_r3.mp.clearing import clear_servers
 
-    if args.url:
-        url = args.url
-    else:
-        url = load_config(args.config).server_url
+    url = args.url or load_config(args.config).server_url
     if not url.startswith("tcp://"):
         print(f"lmcache-r3 clear: --url {url!r} is the server's request port as tcp://HOST:PORT (server.port), "
               "e.g. tcp://127.0.0.1:5555", file=sys.stderr)  # fmt: skip

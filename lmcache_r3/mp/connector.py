@@ -597,17 +597,19 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         if not super().reset_cache():  # a server did not answer LMCache's own clear within mq_timeout_s
             logger.error("lmcache_r3: reset_cache: LMCache's clear failed (see above); the L2 tiers were not cleared")
             return False
-        answers = clear_servers(list(self.scheduler_adapter._server_urls))
-        for answer in answers:
+        cleared = True
+        for answer in clear_servers(list(self.scheduler_adapter._server_urls)):
             for problem in answer.problems:
+                cleared = False
                 logger.error("lmcache_r3: reset_cache: %s", problem)
             if answer.no_module and self.routed is None:
                 logger.warning("lmcache_r3: reset_cache: %s has no lmcache_r3 server module (a stock lmcache server?): "
                                "only its L1 was cleared, not its L2 tiers", answer.url)  # fmt: skip
             elif answer.no_module:  # routed experts need the module: its silence is a fault, not a stock server
+                cleared = False
                 logger.error("lmcache_r3: reset_cache: %s did not answer lmcache_r3's info; its tiers were not "
                              "cleared", answer.url)  # fmt: skip
-        return not any(answer.problems or (answer.no_module and self.routed is not None) for answer in answers)
+        return cleared
 
     # -- vLLM's metrics ----------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> R3ConnectorStats | None:

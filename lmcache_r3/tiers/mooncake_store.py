@@ -562,13 +562,13 @@ class MooncakeObjectStore:
                            "will be removed", len(landed))  # fmt: skip
 
     def remove_late(self) -> int:
-        """Remove the objects late puts stored (see :meth:`_landed_late`) while the client is up; the number
-        removed. Those it could not remove yet are tried again at the next call."""
+        """Remove the objects late puts stored (see :meth:`_landed_late`); the number removed. Those it could not
+        remove yet (the client is down: ``UNAVAILABLE`` at once) are tried again at the next call."""
         with self._lock:
             keys, self._late = self._late, []
         if not keys:
             return 0
-        codes = self.remove(keys) if self._client.state == "up" else [UNAVAILABLE] * len(keys)
+        codes = self.remove(keys)
         removed = sum(code in (OK, OBJECT_NOT_FOUND) for code in codes)
         with self._lock:
             self._late[:0] = [key for key, code in zip(keys, codes, strict=True) if code not in (OK, OBJECT_NOT_FOUND)]

@@ -98,7 +98,9 @@ def api_server(tiny_moe, r3_server, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("openai-server")
     server = start_on_fresh_ports(lambda: OpenAIServer(tiny_moe, r3_server, log_dir))
     yield server
-    server.process.stop()
+    server.process.stop(timeout_s=40.0)
+    log = (log_dir / "vllm-api-server.log").read_text(errors="replace")
+    assert "force killing" not in log, "vLLM killed its engine at shutdown: its shared memory stays in /dev/shm"
 
 
 def tokens_of(choice: dict) -> list[int]:

@@ -197,14 +197,19 @@ def test_a_reset_with_the_server_gone_answers_false_within_the_connectors_bound(
 
 
 @pytest.mark.harness
+@pytest.mark.parametrize(
+    "routed_experts, reset", [(False, True), (True, False)], ids=["kv-only keeps LMCache's reset", "routed fails it"]
+)
 def test_a_stock_server_without_the_module_keeps_lmcaches_own_reset_and_the_cli_says_what_is_missing(
-    lmcache_server, scheduler_harness_factory, capsys
+    lmcache_server, scheduler_harness_factory, capsys, routed_experts, reset
 ):
+    """A KV-only connector's reset clears the stock server's L1, as LMCache's does; one with routed experts (which
+    need the module) reports the reset failed. Neither waits out the tier clear's bound."""
     (answer,) = clear_servers([lmcache_server.url])
     assert answer.no_module and answer.problems == [] and answer.response is None
     assert cli.main(["clear", "--url", lmcache_server.url]) == 1
     assert "one without the lmcache_r3 server module" in capsys.readouterr().err
-    harness = scheduler_harness_factory(kind="dense", connector_module=CONNECTOR)  # against lmcache_server
+    harness = scheduler_harness_factory(connector_module=CONNECTOR, routed_experts=routed_experts)  # lmcache_server
     began = time.monotonic()
-    assert harness.scheduler.reset_prefix_cache(reset_connector=True) is True  # its L1 cleared, as LMCache does
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True) is reset
     assert time.monotonic() - began < 10, "the reset waited out the tier clear's bound on a server without the module"
