@@ -80,4 +80,8 @@ def _answer(url: str, call: R3Call[protocol.ClearResponse]) -> ServerCleared:
     except R3ClientError as err:
         return ServerCleared(url, None, [f"{url}: {err}"])
     problems = [f"{url}: L2 tier {tier.index} ({tier.type}): {tier.error}" for tier in response.failures]
+    if response.l1_kept:
+        problems.insert(0, f"{url}: L1 kept {response.l1_kept} objects in use (read-locked by a lookup or a "
+                           "retrieve, or still being written): they may be from before the clear and be served "
+                           "again; clear again once no request runs")  # fmt: skip
     return ServerCleared(url, response, problems)

@@ -73,12 +73,16 @@ from lmcache_r3.mp.stock_adapter import (
     has_recurrent_group,
     report_unsubmitted_retrieve_failed,
 )
+from lmcache_r3.mp.stores_in_flight import StoresInFlight
 
 logger = logging.getLogger(__name__)
 
 NULL_BLOCK_ID = planning.VLLM_NULL_BLOCK_ID
 LOOKUP_LOCK_TTL_S = 300.0
 """LMCache 0.5.6's read-lock TTL: a lock taken by a lookup is gone by then, whoever releases it."""
+RESET_LOOKUP_WAIT_S = 10.0
+"""How long vLLM's cache reset waits for the lookups of finished requests (and the release of their locks) before it
+clears: a live server answers in milliseconds."""
 
 
 CONNECTOR_COUNTERS = (
@@ -158,6 +162,10 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         self._stats_reported: dict[str, int] = {}
         """The counters as last handed to vLLM's metrics (:meth:`get_kv_connector_stats` reports what moved)."""
         self.session_ends: SessionEnds | None = None
+        self._stores: StoresInFlight | None = None
+        """Worker side: every store not yet answered, per request (LMCache's lazy offload frees blocks itself)."""
+        if role == KVConnectorRole.WORKER and not self.lazy_offload:
+            self._stores = StoresInFlight()
         if role == KVConnectorRole.SCHEDULER:
             # LMCache drops a finished request's lookup state; one still in flight is kept until it answers.
             self._drop_lookup_state = self.scheduler_adapter.cleanup_lookup_result
@@ -541,17 +549,20 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         held = min(hit, self._locks_held_to.get(request_id, hit))  # the tail past a joint cut is gone
         self._release_finished_lookup(tracker, held)
 
-    def _release_finished_lookup(self, tracker: Any, held: int) -> None:
-        if held:
-            answers = self._free_locks(tracker, TokenRange(0, held))
-            if self.session_ends is not None:  # its session ends after the server answered the release
-                self.session_ends.release_sent(tracker.request_id, answers)
-            self.counters.add(
-                "locks_released_at_finish_chunks", held // self.scheduler_adapter.lmcache_tokens_per_chunk
-            )
+    def _release_finished_lookup(self, tracker: Any, held: int) -> list[Any]:
+        """Release the locks of a finished request's lookup up to ``held``; the servers' answers to come."""
+        if not held:
+            return []
+        answers = self._free_locks(tracker, TokenRange(0, held))
+        if self.session_ends is not None:  # its session ends after the server answered the release
+            self.session_ends.release_sent(tracker.request_id, answers)
+        self.counters.add("locks_released_at_finish_chunks", held // self.scheduler_adapter.lmcache_tokens_per_chunk)
+        return answers
 
-    def _release_orphaned_lookups(self) -> None:
-        """Poll the lookups of finished requests (once a step); release the locks of those that answered."""
+    def _release_orphaned_lookups(self) -> list[Any]:
+        """Poll the lookups of finished requests (once a step); release the locks of those that answered. The
+        servers' answers to the releases."""
+        answers = []
         for request_id, (tracker, deadline) in list(self._orphaned_lookups.items()):
             hit = self.scheduler_adapter.check_lookup_result(request_id)
             if hit is None and time.monotonic() < deadline:
@@ -559,9 +570,39 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             del self._orphaned_lookups[request_id]
             self._drop_lookup_state(request_id)
             self.counters.add("lookups_finished_after_request")
-            self._release_finished_lookup(tracker, hit or 0)  # past the deadline the server's TTL released them
+            answers += self._release_finished_lookup(tracker, hit or 0)  # past the deadline the TTL released them
             if self.session_ends is not None:
                 self.session_ends.lookup_released(request_id)
+        return answers
+
+    def _settle_finished_lookups(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every finished request's lookup answered and its locks' release was answered, so
+        that a clear finds none of their objects locked; whether that happened."""
+        deadline = time.monotonic() + timeout_s
+        answers: list[Any] = []
+        while True:
+            answers += self._release_orphaned_lookups()
+            answers = [answer for answer in answers if not answer.query()]
+            if not (self._orphaned_lookups or answers):
+                return True
+            if time.monotonic() > deadline:
+                logger.warning("lmcache_r3: %d lookups of finished requests, %d releases of their locks still out "
+                               "after %.0f s", len(self._orphaned_lookups), len(answers), timeout_s)  # fmt: skip
+                return False
+            time.sleep(0.005)
+
+    def has_pending_push_work(self) -> bool:
+        """Whether vLLM must keep stepping an engine that has nothing to run: LMCache's (lazy offload), and while
+        a finished request's lookup is still to be released or its session end waits for the server's answer to a
+        release. Both are noticed once a step (:meth:`build_connector_meta`), and an idle engine does not step: the
+        locks of a batch aborted while its lookups were out (as at a weight update) would pin their chunks in L1,
+        and keep them through the cache reset that follows, until the next request came. Not while the server is
+        unhealthy: nothing will answer then (the lookups' locks expire with the server's read-lock TTL)."""
+        if super().has_pending_push_work():
+            return True
+        if self.role != KVConnectorRole.SCHEDULER or not self.scheduler_adapter.is_healthy:
+            return False
+        return bool(self._orphaned_lookups) or (self.session_ends is not None and self.session_ends.awaiting_server())
 
     def _cleanup_lookup_result(self, request_id: str) -> None:
         """LMCache's cleanup of a request's lookup state, except for a lookup still polled after its request."""
@@ -594,6 +635,9 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             return None
         if self.routed is not None:
             self.routed.settle(self.routed.fetch_timeout_s)
+        # The lookups of requests aborted while they were out (a trainer aborts its batch at a weight update) lock
+        # their hits when they complete: L1 keeps locked objects through a clear.
+        self._settle_finished_lookups(RESET_LOOKUP_WAIT_S)
         if not super().reset_cache():  # a server did not answer LMCache's own clear within mq_timeout_s
             logger.error("lmcache_r3: reset_cache: LMCache's clear failed (see above); the L2 tiers were not cleared")
             return False
@@ -684,11 +728,30 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
         super().start_load_kv(forward_context, **kwargs)
 
     def wait_for_save(self) -> None:
-        """Refuse any store that would read the null block, then store; then collect this step's routed experts."""
+        """Refuse any store that would read the null block, then store (each store's answer is kept, see
+        :meth:`get_finished`); then collect this step's routed experts."""
         metadata = self._get_connector_metadata()
         self._refuse_null_block_ops(metadata, "STORE")
-        super().wait_for_save()
+        if self._stores is None:
+            super().wait_for_save()
+        else:
+            futures = self.worker_adapter.store_futures  # LMCache 0.5.6: the latest store future per request
+            before = {entry.request_id: futures.get(entry.request_id) for entry in metadata.requests
+                      if entry.direction == "STORE"}  # fmt: skip
+            super().wait_for_save()
+            for request_id, earlier in before.items():
+                future = futures.get(request_id)
+                if future is not None and future is not earlier:
+                    self._stores.submitted(request_id, future)
         self._collect_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """LMCache's finished transfers, except a finished request with a store still out: it is reported once every
+        store of it has answered, so vLLM never frees blocks a store has yet to read (:mod:`.stores_in_flight`)."""
+        sending, recving = super().get_finished(finished_req_ids)
+        if self._stores is None:
+            return sending, recving
+        return self._stores.finished_sending(sending or (), self.worker_adapter.is_healthy), recving
 
     def _collect_step(self) -> None:
         """This step's rows, once, after its forward pass (wait_for_save, or worker metadata when it comes first)."""

@@ -168,6 +168,9 @@ class ClearResponse(msgspec.Struct, frozen=True):
     """The answer to a clear: L1 was cleared (every object not in use), then each tier, in order."""
 
     tiers: list[TierCleared]
+    l1_kept: int = 0
+    """L1 objects the clear left because they were in use (read-locked by a lookup or a retrieve, or still being
+    written): they may be from before the clear."""
 
     @property
     def failures(self) -> list[TierCleared]:

@@ -61,6 +61,10 @@ def build_server_modules(ctx: ExtServerModuleBuildContext) -> R3ServerModule:
     return R3ServerModule(ctx.server_context, ctx.config or {})
 
 
+CLEAR_WRITES_WAIT_S = 10.0
+"""How long a clear waits for L1 writes in flight to commit before it clears (a KV chunk's commit takes
+milliseconds; the clear's caller waits up to a minute)."""
+
 SERVER_COUNTERS = (
     "store_calls",
     "stored_chunks",
@@ -258,9 +262,19 @@ class R3ServerModule:
         LMCache's clear (``POST /cache/clear``, vLLM's ``reset_prefix_cache(reset_connector=True)``) leaves the L2
         tiers as they are, so after a policy update a server would serve the old policy's KV and routing from them.
         A tier lmcache_r3 cannot clear (LMCache's own) is answered with an error naming it: its objects stay.
+
+        L1 writes in flight (stores LMCache answered before they committed) are waited for, up to
+        :data:`CLEAR_WRITES_WAIT_S`, so that they are cleared too instead of landing after the clear; what L1 keeps
+        because it is in use (read-locked, or still being written) is counted in the answer (``l1_kept``).
         """
         storage = self._ctx.storage_manager
+        deadline = time.monotonic() + CLEAR_WRITES_WAIT_S
+        while _l1_counts(storage)[1] and time.monotonic() < deadline:
+            time.sleep(0.005)
         storage.clear(force=False)
+        l1_kept = _l1_counts(storage)[0]
+        if l1_kept:
+            logger.warning("lmcache_r3: the clear kept %d L1 objects in use (read-locked or being written)", l1_kept)
         tiers = []
         for index, (_, adapter) in enumerate(storage.l2_adapters()):
             kind = type(adapter).__name__
@@ -276,7 +290,7 @@ class R3ServerModule:
                 tiers.append(protocol.TierCleared(index=index, type=kind, removed=-1, error=str(err)))
         self.counters.update(clears=1)
         logger.info("lmcache_r3: cleared L1 and %d L2 tier(s): %s", len(tiers), tiers)
-        return protocol.encode(protocol.ClearResponse(tiers=tiers))
+        return protocol.encode(protocol.ClearResponse(tiers=tiers, l1_kept=l1_kept))
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _refuse(self, message: str) -> None:
@@ -444,6 +458,12 @@ class R3ServerModule:
             result = storage.query_prefetch_status(handle)
             if result is not None:
                 return result
+
+
+def _l1_counts(storage: Any) -> tuple[int, int]:
+    """``(objects, objects being written)`` over the server's L1 managers (staging objects included)."""
+    managers = storage.report_status()["l1_managers"].values()
+    return (sum(int(m["total_object_count"]) for m in managers), sum(int(m["write_locked_count"]) for m in managers))
 
 
 _NOT_DAMAGE = (UnsupportedVersionError, ProfileMismatchError)

@@ -90,6 +90,10 @@ class SessionEnds:
             del self._releases[request_id]
         self._end_session(request_id)
 
+    def awaiting_server(self) -> bool:
+        """Whether a session end waits for the server's answer to a release, which only :meth:`poll` notices."""
+        return bool(self._awaiting_release)
+
     def pending(self) -> int:
         """Finished requests whose session has not ended yet."""
         return len(self._awaiting_stores) + len(self._awaiting_lookup) + len(self._awaiting_release)

@@ -213,3 +213,72 @@ def test_a_stock_server_without_the_module_keeps_lmcaches_own_reset_and_the_cli_
     began = time.monotonic()
     assert harness.scheduler.reset_prefix_cache(reset_connector=True) is reset
     assert time.monotonic() - began < 10, "the reset waited out the tier clear's bound on a server without the module"
+
+
+def look_up_and_abort_while_the_server_is_paused(harness, server, tokens: list[int], request_id: str) -> None:
+    """vLLM asks for the request's lookup and aborts the request before the lookup answered (a trainer aborting
+    its batch at a weight update): the lookup still locks its hit on the server when it completes."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.support.processes import paused
+
+    harness.add_request(request_id, tokens, max_tokens=2)
+    with paused(server.pid):
+        harness.step()  # vLLM's ask: the lookup goes out and waits for the paused server
+        harness.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+
+@pytest.mark.harness
+def test_an_abort_while_the_lookup_is_out_then_a_reset_at_once_clears_what_the_lookup_locked(
+    own_r3_server, scheduler_harness_factory
+):
+    server = own_r3_server
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    tokens = prompt(3 * CHUNK + 9, seed=37)
+    harness.generate([("before", tokens)], max_tokens=2)
+    harness.settle_stores()
+    harness.reset_prefix_cache()
+    look_up_and_abort_while_the_server_is_paused(harness, server, tokens, "aborted")
+
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True) is True  # no engine step in between
+    assert server.l1_counts()["total_object_count"] == 0, "the aborted request's lookup kept objects through the clear"
+    harness.generate([("after", tokens)], max_tokens=2)
+    assert harness.outputs["after"]["lmcache_r3_sources"]["lmcache_tokens"] == 0, "served from before the reset"
+
+
+@pytest.mark.harness
+def test_an_idle_engine_steps_until_an_aborted_requests_lookup_released_its_locks(
+    own_r3_server, scheduler_harness_factory
+):
+    server = own_r3_server
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    tokens = prompt(3 * CHUNK + 9, seed=38)
+    harness.generate([("before", tokens)], max_tokens=2)
+    harness.settle_stores()
+    harness.reset_prefix_cache()
+    look_up_and_abort_while_the_server_is_paused(harness, server, tokens, "aborted")
+
+    harness.run_until_idle(max_steps=100_000)  # as vLLM steps while the scheduler reports work
+    assert server.l1_counts()["read_locked_count"] == 0, "an idle engine left the aborted lookup's locks held"
+    assert harness.scheduler.connector.counters.values["lookups_finished_after_request"] == 1
+    assert not harness.scheduler.has_requests(), "the engine went on stepping after the locks were released"
+
+
+@pytest.mark.harness
+def test_a_clear_that_must_keep_objects_in_use_says_so_and_the_reset_fails(own_r3_server, scheduler_harness_factory):
+    from tests.support.harness import lookup, wait_locks
+
+    server = own_r3_server
+    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR)
+    tokens = prompt(3 * CHUNK + 9, seed=39)
+    harness.generate([("before", tokens)], max_tokens=2)
+    harness.settle_stores()
+    waiting = harness.make_request("waiting", tokens + [3])
+    assert lookup(harness.scheduler.connector, waiting)[0] == 3 * CHUNK  # its hit stays locked until admitted
+    assert wait_locks(server, 3) == 3
+
+    (answer,) = clear_servers([server.url])
+    (problem,) = answer.problems
+    assert "L1 kept 3 objects in use" in problem and "clear again" in problem, problem
+    assert answer.response.l1_kept == 3
+    assert harness.scheduler.connector.reset_cache() is False
