@@ -40,6 +40,7 @@ import torch
 from tests.connector.conftest import files_holding_the_null_page
 from tests.connector.test_admission import wait_locks
 from tests.support.harness import BLOCK_SIZE, NULL_SENTINEL
+from tests.support.prompts import draw_prompt
 
 pytestmark = pytest.mark.harness
 
@@ -86,29 +87,6 @@ class Schedule:
         return "\n".join(lines)
 
 
-def _fresh(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, 1000) for _ in range(n)]
-
-
-def draw_prompt(rng: random.Random, earlier: Sequence[Req], max_len: int = MAX_PROMPT) -> tuple[list[int], str]:
-    """A fresh prompt, or a prefix of an earlier one (chunk-, block- or un-aligned) plus a fresh suffix."""
-    if not earlier or rng.random() < 0.35:
-        return _fresh(rng, rng.randint(16, max_len)), "fresh"
-    source = rng.choice(earlier)
-    n = min(len(source.prompt), max_len)
-    kind = rng.random()
-    if kind < 0.35 and n >= CHUNK:
-        k = CHUNK * rng.randint(1, n // CHUNK)
-    elif kind < 0.6 and n >= BLOCK_SIZE:
-        k = BLOCK_SIZE * rng.randint(1, n // BLOCK_SIZE)
-        k = k + BLOCK_SIZE if k % CHUNK == 0 and k + BLOCK_SIZE <= n else k
-    else:
-        k = rng.randint(1, n)
-    suffix = min(0 if rng.random() < 0.15 else rng.randint(1, 120), max_len - k)
-    origin = f"{source.rid}[:{k}] + {suffix} fresh" if k < len(source.prompt) or suffix else f"repeat of {source.rid}"
-    return source.prompt[:k] + _fresh(rng, suffix), origin
-
-
 def draw_schedule(seed: int, index: int) -> Schedule:
     """Waves of 1-4 requests; with a 64-token step budget, some waves are 3-4 long decodes that overflow the pool."""
     rng = random.Random(f"{seed}:{index}")
@@ -122,10 +100,10 @@ def draw_schedule(seed: int, index: int) -> Schedule:
         wave = []
         for j in range(rng.randint(3, 4) if pressure else rng.randint(1, 4)):
             if pressure:
-                prompt, origin = draw_prompt(rng, earlier, max_len=192)
+                prompt, origin = draw_prompt(rng, earlier, CHUNK, BLOCK_SIZE, max_len=192)
                 max_tokens = rng.randint(128, 256)
             else:
-                prompt, origin = draw_prompt(rng, earlier)
+                prompt, origin = draw_prompt(rng, earlier, CHUNK, BLOCK_SIZE, MAX_PROMPT)
                 max_tokens = rng.randint(24, 160) if rng.random() < 0.4 else rng.randint(1, 6)
             at_step = 0 if j == 0 else rng.randint(0, 8)
             req = Req(f"s{index}w{w}r{j}", prompt, max_tokens, at_step, origin)
