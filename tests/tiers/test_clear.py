@@ -215,17 +215,24 @@ def test_a_stock_server_without_the_module_keeps_lmcaches_own_reset_and_the_cli_
     assert time.monotonic() - began < 10, "the reset waited out the tier clear's bound on a server without the module"
 
 
-def look_up_and_abort_while_the_server_is_paused(harness, server, tokens: list[int], request_id: str) -> None:
-    """vLLM asks for the request's lookup and aborts the request before the lookup answered (a trainer aborting
-    its batch at a weight update): the lookup still locks its hit on the server when it completes."""
+def stored_then_aborted_while_its_lookup_is_out(factory, server, seed: int):
+    """A prompt stored (3 chunks), vLLM's prefix cache reset, then the same prompt asked for and aborted before its
+    lookup answered (a trainer aborting its batch at a weight update): the lookup still locks its hit on the server
+    when it completes. The harness, with no engine step after the abort."""
     from vllm.v1.request import RequestStatus
 
     from tests.support.processes import paused
 
-    harness.add_request(request_id, tokens, max_tokens=2)
+    harness = factory(server=server, connector_module=CONNECTOR, routed_experts=True)
+    tokens = prompt(3 * CHUNK + 9, seed=seed)
+    harness.generate([("before", tokens)], max_tokens=2)
+    harness.settle_stores()
+    harness.reset_prefix_cache()
+    harness.add_request("aborted", tokens, max_tokens=2)
     with paused(server.pid):
         harness.step()  # vLLM's ask: the lookup goes out and waits for the paused server
-        harness.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        harness.scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    return harness, tokens
 
 
 @pytest.mark.harness
@@ -233,12 +240,7 @@ def test_an_abort_while_the_lookup_is_out_then_a_reset_at_once_clears_what_the_l
     own_r3_server, scheduler_harness_factory
 ):
     server = own_r3_server
-    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
-    tokens = prompt(3 * CHUNK + 9, seed=37)
-    harness.generate([("before", tokens)], max_tokens=2)
-    harness.settle_stores()
-    harness.reset_prefix_cache()
-    look_up_and_abort_while_the_server_is_paused(harness, server, tokens, "aborted")
+    harness, tokens = stored_then_aborted_while_its_lookup_is_out(scheduler_harness_factory, server, seed=37)
 
     assert harness.scheduler.reset_prefix_cache(reset_connector=True) is True  # no engine step in between
     assert server.l1_counts()["total_object_count"] == 0, "the aborted request's lookup kept objects through the clear"
@@ -251,12 +253,7 @@ def test_an_idle_engine_steps_until_an_aborted_requests_lookup_released_its_lock
     own_r3_server, scheduler_harness_factory
 ):
     server = own_r3_server
-    harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
-    tokens = prompt(3 * CHUNK + 9, seed=38)
-    harness.generate([("before", tokens)], max_tokens=2)
-    harness.settle_stores()
-    harness.reset_prefix_cache()
-    look_up_and_abort_while_the_server_is_paused(harness, server, tokens, "aborted")
+    harness, _ = stored_then_aborted_while_its_lookup_is_out(scheduler_harness_factory, server, seed=38)
 
     harness.run_until_idle(max_steps=100_000)  # as vLLM steps while the scheduler reports work
     assert server.l1_counts()["read_locked_count"] == 0, "an idle engine left the aborted lookup's locks held"
