@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_r3.artifacts import GatherNarrowError, TokenRange
 from lmcache_r3.counters import Counters
-from lmcache_r3.mp import capture, planning, stock_fit
+from lmcache_r3.mp import capture, planning, shutdown_bound, stock_fit
 from lmcache_r3.mp.clearing import clear_servers
 from lmcache_r3.mp.connector_config import (
     R3_STORE_BATCH_KEY,
@@ -683,14 +683,17 @@ class LMCacheMPConnector(StockLMCacheMPConnector):
             logger.info("lmcache_r3: routed experts took %.3f s of the %s role over %d steps (%.3f ms a step)",
                         self.r3_seconds, self.role.name.lower(), self.r3_steps,
                         1e3 * self.r3_seconds / self.r3_steps)  # fmt: skip
+        adapter = getattr(self, "worker_adapter", None) or getattr(self, "scheduler_adapter", None)
+        answers = shutdown_bound.server_answers(adapter)  # a server that is gone is not waited for
         if self.routed is not None:
-            self.routed.settle(2.0)  # R3 stores still batched or in flight reach the server before it goes
+            if answers:
+                self.routed.settle(2.0)  # R3 stores still batched or in flight reach the server before it goes
             if self.routed.client is not None:
                 try:
                     self.routed.client.close()
                 except Exception:
                     logger.exception("lmcache_r3: closing the routed-experts client failed")
-        super().shutdown()
+        shutdown_bound.run_shutdown(super().shutdown, answers, self.role.name.lower())
 
     # ==============================================================================================
     # Worker side
