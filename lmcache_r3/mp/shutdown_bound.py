@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -28,43 +28,37 @@ DETACHED_JOIN_S = 0.5
 """How long the caller waits for LMCache's shutdown once the server did not answer (the rest runs detached)."""
 
 
-def _clients(adapter: Any) -> list[tuple[str, Any, int | None]]:
-    """``(name, request client, instance id)`` for every server ``adapter`` talks to (a worker adapter: one, sent
-    with its instance id; a scheduler adapter: one per server, untracked)."""
+def _pings(adapter: Any) -> list[Any]:
+    """One ping future per server ``adapter`` talks to: a worker adapter's one server, asked with its instance id;
+    each of a scheduler adapter's servers, untracked."""
     clients = getattr(adapter, "req_clients", None)
     if clients is not None:
-        return [(url, client, None) for url, client in clients.items()]
-    return [("the LMCache server", adapter.req_client, adapter.instance_id)]
+        return [client.ping(None) for client in clients.values()]
+    return [adapter.req_client.ping(adapter.instance_id)]
 
 
 def server_answers(adapter: Any, timeout_s: float = PROBE_S) -> bool:
     """Whether every server behind the LMCache adapter ``adapter`` answers a ping within ``timeout_s`` (all asked at
     once); False at once when LMCache's heartbeat already found one unhealthy. Never raises."""
-    if adapter is None:
+    if adapter is None or not adapter.is_healthy:
         return False
     try:
-        if not adapter.is_healthy:
-            return False
-        pings: Iterable[tuple[str, Any]] = [(name, client.ping(iid)) for name, client, iid in _clients(adapter)]
+        pings = _pings(adapter)
         deadline = time.monotonic() + timeout_s
-        for name, future in pings:
-            if not future.result(timeout=max(0.0, deadline - time.monotonic())):
-                logger.info("lmcache_r3: %s answered the shutdown ping with a failure", name)
-                return False
+        return all(future.result(timeout=max(0.0, deadline - time.monotonic())) for future in pings)
     except TimeoutError:
         return False
     except Exception:
         logger.info("lmcache_r3: the shutdown ping failed", exc_info=True)
         return False
-    return True
 
 
-def run_shutdown(shutdown: Callable[[], None], server_answered: bool, what: str) -> bool:
+def run_shutdown(shutdown: Callable[[], None], server_answered: bool, what: str) -> None:
     """Run LMCache's ``shutdown`` of ``what`` (a role name, for the log): inline when the server answered; otherwise
-    in a daemon thread waited for at most :data:`DETACHED_JOIN_S`. Returns whether it finished before returning."""
+    in a daemon thread waited for at most :data:`DETACHED_JOIN_S`."""
     if server_answered:
         shutdown()
-        return True
+        return
 
     def detached() -> None:
         try:
@@ -81,5 +75,3 @@ def run_shutdown(shutdown: Callable[[], None], server_answered: bool, what: str)
             "unregister and heartbeat waits go on in the background until their own bounds)",
             what,
         )
-        return False
-    return True

@@ -9,20 +9,16 @@ roles, a real LMCache server.
 
 import time
 
-import numpy as np
 import pytest
 
 from tests.support.harness import wait_locks, wait_sessions
 from tests.support.processes import paused
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.harness, pytest.mark.server]
 
 CHUNK = 64
 CONNECTOR = "lmcache_r3.mp.connector"
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
 def abort_between_steps_while_the_load_runs(harness, server, request_id: str) -> bool:
@@ -74,7 +70,7 @@ def test_a_request_aborted_while_its_kv_loads_ends_cleanly_and_the_engine_goes_o
     harness = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=routed_experts)
     scheduler = harness.scheduler
     free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    tokens = prompt(4 * CHUNK + 19, seed=11)
+    tokens = seeded_prompt(4 * CHUNK + 19, seed=11)
     harness.generate([("cold", tokens)], max_tokens=2)
     harness.reset_prefix_cache()
     harness.add_request("warm", tokens, 2)

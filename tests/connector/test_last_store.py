@@ -13,21 +13,17 @@ into every free block.
 
 import time
 
-import numpy as np
 import pytest
 
 from tests.support.harness import wait_sessions
 from tests.support.processes import paused
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.harness, pytest.mark.server]
 
 CHUNK = 64
 CONNECTOR = "lmcache_r3.mp.connector"
 OTHER_BYTES = 0xCD
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
 def step_until(harness, done, what: str, timeout_s: float = 20.0) -> None:
@@ -58,7 +54,7 @@ def test_a_request_finished_while_its_last_store_is_in_flight_keeps_its_blocks_u
         server=server, connector_module=CONNECTOR, routed_experts=routed_experts, max_num_batched_tokens=CHUNK
     )
     scheduler, adapter = harness.scheduler, harness.worker.worker_adapter
-    tokens = prompt(2 * CHUNK + 5, seed=21)  # prefilled a chunk a step: two stores, then the last 5 tokens
+    tokens = seeded_prompt(2 * CHUNK + 5, seed=21)  # prefilled a chunk a step: two stores, then the last 5 tokens
     harness.add_request("r", tokens, max_tokens=1)
     request = scheduler.requests["r"]
     step_until(harness, lambda: request.num_computed_tokens >= CHUNK, "the first chunk's step")

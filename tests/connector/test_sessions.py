@@ -5,10 +5,10 @@ that and creates the session again, which the server then keeps for 10 minutes, 
 id has its KV stored under the old tokens' chunk keys.
 """
 
-import numpy as np
 import pytest
 
 from tests.support.harness import kv_lookup_answer, wait_sessions
+from tests.support.prompts import seeded_prompt
 
 pytestmark = pytest.mark.harness
 
@@ -16,16 +16,12 @@ CHUNK = 64
 CONNECTOR = "lmcache_r3.mp.connector"
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
-
-
 def test_finished_requests_leave_no_session_on_the_server(own_r3_server, scheduler_harness_factory):
     harness = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
-    base = prompt(3 * CHUNK + 5, seed=1)
+    base = seeded_prompt(3 * CHUNK + 5, seed=1)
     harness.generate([("base", base)], max_tokens=3)
     harness.reset_prefix_cache()
-    shared = {f"s{cut}": base[:cut] + prompt(40, seed=cut) for cut in (CHUNK + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)}
+    shared = {f"s{cut}": base[:cut] + seeded_prompt(40, seed=cut) for cut in (CHUNK + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)}
     harness.generate(shared.items(), max_tokens=3)
     harness.settle_stores()
     assert wait_sessions(own_r3_server, 0) == 0, "a finished request's session outlived it on the server"
@@ -37,7 +33,7 @@ def test_an_engine_reusing_a_finished_request_id_stores_its_kv_under_its_own_tok
 ):
     """Two engines on one server, one after the other, each with a request "0" (vLLM's first id when its request-id
     randomization is off): the second engine's KV is stored under the second prompt's chunk keys."""
-    tokens = {"first": prompt(3 * CHUNK + 20, seed=2), "second": prompt(3 * CHUNK + 20, seed=3)}
+    tokens = {"first": seeded_prompt(3 * CHUNK + 20, seed=2), "second": seeded_prompt(3 * CHUNK + 20, seed=3)}
     for name in tokens:
         engine = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
         engine.generate([("0", tokens[name])], max_tokens=2)
@@ -54,7 +50,7 @@ def test_an_engine_reusing_a_finished_request_id_stores_its_kv_under_its_own_tok
 def test_a_consumer_engine_loading_from_lmcache_leaves_no_session(own_r3_server, scheduler_harness_factory):
     """A ``kv_consumer`` stores nothing and its worker never reports stores finished: its sessions end at the
     finish, as LMCache's own connector ends them."""
-    tokens = prompt(3 * CHUNK + 20, seed=4)
+    tokens = seeded_prompt(3 * CHUNK + 20, seed=4)
     producer = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=True)
     producer.generate([("p", tokens)], max_tokens=2)
     producer.settle_stores()

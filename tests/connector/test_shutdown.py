@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
+
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -19,10 +20,6 @@ CONNECTOR = "lmcache_r3.mp.connector"
 MQ_TIMEOUT_S = 30.0
 SHUTDOWN_BOUND_S = 10.0
 """Well under MQ_TIMEOUT_S: a bound on a hang (the connector's own waits are 1.5 s), not a speed goal."""
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
 def registered_instances(server) -> set[int]:
@@ -46,18 +43,26 @@ def stop_both_roles(harness) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("routed", [False, True], ids=["kv-only", "routed-experts"])
-def test_a_live_server_is_unregistered_from_at_shutdown(scheduler_harness_factory, r3_server_factory, routed):
+def test_a_live_server_is_unregistered_from_and_gets_the_batched_r3_at_shutdown(
+    scheduler_harness_factory, r3_server_factory, routed
+):
+    """A server that answers is waited for: the unregister is answered before the stop returns, and the R3 stores
+    of a request still running, batched in the scheduler, reach the server."""
     server = r3_server_factory()
     try:
         harness = scheduler_harness_factory(
             server=server, connector_module=CONNECTOR, routed_experts=routed, mq_timeout_s=MQ_TIMEOUT_S
         )
-        harness.generate([("r", prompt(2 * 64 + 5, seed=1))], max_tokens=2)
-        harness.settle_stores()
+        harness.add_request("r", seeded_prompt(4 * 64 + 5, seed=1), max_tokens=20)
+        harness.step_until_scheduled("r")  # the prefill of 4 chunks and their KV stores
+        for _ in range(3):  # decode steps: fewer than the 8 an R3 store batch waits for
+            harness.step()
         instance = harness.worker.worker_adapter.instance_id
         assert instance in registered_instances(server)
         stop_both_roles(harness)
         assert instance not in registered_instances(server), "the worker's KV caches are still registered"
+        stored = server.status()["lmcache_r3"]["stored_chunks"]
+        assert stored == (4 if routed else 0), f"{stored} R3 chunks reached the server, the request computed 4"
     finally:
         server.stop()
 
@@ -74,7 +79,7 @@ def test_a_dead_server_does_not_hold_the_shutdown_for_mq_timeout(
         server=doomed, connector_module=CONNECTOR, routed_experts=routed, mq_timeout_s=MQ_TIMEOUT_S,
         extra_config={"lmcache_r3.r3_timeout_s": 1.0, "lmcache.mp.heartbeat_interval": 0.5 if noticed else 10.0},
     )  # fmt: skip
-    harness.generate([("r", prompt(2 * 64 + 5, seed=2))], max_tokens=2)
+    harness.generate([("r", seeded_prompt(2 * 64 + 5, seed=2))], max_tokens=2)
     harness.settle_stores()
     doomed.stop()
     adapters = (harness.worker.worker_adapter, harness.scheduler.connector.scheduler_adapter)

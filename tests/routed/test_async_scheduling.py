@@ -27,11 +27,11 @@ from tests.routed.test_harness_routed import (
     cold_then_lmcache_hit_then_prefix_cache_hit,
     expected_rows,
     preempted_requests_return_exact_rows,
-    prompt,
     returned_rows,
     speculative_drafts_return_and_publish_only_accepted_rows,
 )
 from tests.support.harness import wait_locks
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -61,11 +61,13 @@ def test_the_harness_runs_vllms_async_scheduler_with_two_steps_in_flight(async_h
     harness = async_harness()
     assert isinstance(harness.scheduler, AsyncScheduler)
     assert harness.scheduler.defer_block_free, "vLLM defers freeing blocks an in-flight step may write"
-    harness.add_request("r", prompt(40, seed=1), max_tokens=3)
+    harness.add_request("r", seeded_prompt(40, seed=1), max_tokens=3)
     harness.step()
     assert harness.outputs == {} and harness.steps == 0, "the first step's output waits for the second step"
     harness.run_until_idle()
-    np.testing.assert_array_equal(returned_rows(harness, "r"), expected_rows(harness, "r", prompt(40, seed=1), 3))
+    np.testing.assert_array_equal(
+        returned_rows(harness, "r"), expected_rows(harness, "r", seeded_prompt(40, seed=1), 3)
+    )
 
 
 def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(async_harness, async_server):
@@ -89,8 +91,8 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
     request is still its own (vLLM returns a block to the pool only once the steps that write it are processed;
     this test does not isolate that: with vLLM's deferral turned off it passes too)."""
     harness = async_harness(num_blocks=14, max_num_batched_tokens=64)  # 13 usable blocks: 416 tokens
-    shared = prompt(CHUNK, seed=60)
-    first = {f"a{i}": shared + prompt(40 + 9 * i, seed=61 + i) for i in range(3)}
+    shared = seeded_prompt(CHUNK, seed=60)
+    first = {f"a{i}": shared + seeded_prompt(40 + 9 * i, seed=61 + i) for i in range(3)}
     stops = {request_id: 3 + i for i, request_id in enumerate(first)}
     for request_id, tokens in first.items():
         harness.add_request(request_id, tokens, max_tokens=30, stop_after=stops[request_id])
@@ -98,7 +100,7 @@ def test_blocks_freed_under_a_step_in_flight_and_handed_out_again_carry_only_the
     harness.reset_prefix_cache()
     # The same prompts again (LMCache hits into reused blocks), interleaved with new ones computing into them.
     second = {f"b{i}": tokens for i, tokens in enumerate(first.values())}
-    second |= {f"n{i}": prompt(90 + 13 * i, seed=70 + i) for i in range(4)}
+    second |= {f"n{i}": seeded_prompt(90 + 13 * i, seed=70 + i) for i in range(4)}
     stops |= {request_id: 2 + i % 4 for i, request_id in enumerate(second)}
     for request_id, tokens in second.items():
         harness.add_request(request_id, tokens, max_tokens=30, stop_after=stops[request_id])
@@ -131,7 +133,8 @@ def test_a_request_running_one_step_past_its_stop_token_returns_its_rows_and_its
     KV and the row of that token, here the last position of a chunk: the output carries exactly ``num_tokens - 1``
     rows, and a request that then hits the whole sequence in LMCache gets exact rows."""
     harness = async_harness()
-    tokens = prompt(2 * CHUNK - 4, seed=8)  # with its 4 output tokens: 2 chunks, the extra step computes the last one
+    # with its 4 output tokens: 2 chunks, the extra step computes the last one
+    tokens = seeded_prompt(2 * CHUNK - 4, seed=8)
     harness.add_request("r", tokens, max_tokens=30, stop_after=3)
     harness.run_until_idle()
     rows = returned_rows(harness, "r")
@@ -161,8 +164,12 @@ def test_concurrent_speculative_requests_under_async_scheduling_sharing_a_prefix
     hit for the later one), one ending on a stop token the scheduler cannot foresee: each returns exactly its own
     rows, and a later LMCache hit on a whole sequence returns exact rows."""
     harness = async_harness(**SPECULATIVE)
-    shared = prompt(CHUNK + 10, seed=21)
-    prompts = {"a": shared + prompt(7, seed=22), "b": shared + prompt(19, seed=23), "c": prompt(50, seed=24)}
+    shared = seeded_prompt(CHUNK + 10, seed=21)
+    prompts = {
+        "a": shared + seeded_prompt(7, seed=22),
+        "b": shared + seeded_prompt(19, seed=23),
+        "c": seeded_prompt(50, seed=24),
+    }
     outputs = {"a": 40, "b": 18, "c": 25}
     harness.add_request("a", prompts["a"], max_tokens=40)
     harness.step_until_scheduled("a")  # it computes the shared prefix before "b" arrives

@@ -23,15 +23,12 @@ from lmcache_r3.output import (
     token_fingerprint,
 )
 from tests.support.harness import BLOCK_SIZE, ask_until_answered, kv_lookup_answer, locks_stay, lookup, wait_locks
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
 CONNECTOR = "lmcache_r3.mp.connector"
 CHUNK = 64
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
 def returned_rows(harness, request_id: str) -> np.ndarray:
@@ -66,7 +63,7 @@ def cold_then_lmcache_hit_then_prefix_cache_hit(harness) -> None:
     """A cold run, the same prompt from LMCache after vLLM's prefix cache was reset, then from vLLM's own prefix
     cache: the three return the router's rows (the scenario of this test and of the async-scheduling one)."""
     book = harness.scheduler.connector.routed
-    tokens = prompt(4 * CHUNK + 19, seed=1)
+    tokens = seeded_prompt(4 * CHUNK + 19, seed=1)
     harness.generate([("cold", tokens)], max_tokens=4)
     cold = returned_rows(harness, "cold")
     np.testing.assert_array_equal(cold, expected_rows(harness, "cold", tokens, 4))
@@ -88,10 +85,12 @@ def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(r3_har
 
 def test_prefixes_shared_by_different_suffixes_at_unaligned_lengths(r3_harness):
     harness = r3_harness()
-    base = prompt(3 * CHUNK + 5, seed=2)
+    base = seeded_prompt(3 * CHUNK + 5, seed=2)
     harness.generate([("base", base)], max_tokens=3)
     harness.reset_prefix_cache()
-    cases = {f"s{cut}": base[:cut] + prompt(40, seed=cut) for cut in (BLOCK_SIZE + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)}
+    cases = {
+        f"s{cut}": base[:cut] + seeded_prompt(40, seed=cut) for cut in (BLOCK_SIZE + 7, 2 * CHUNK + 1, 3 * CHUNK + 5)
+    }
     harness.generate(cases.items(), max_tokens=3)
     for request_id, tokens in cases.items():
         np.testing.assert_array_equal(returned_rows(harness, request_id), expected_rows(harness, request_id, tokens, 3))
@@ -99,7 +98,7 @@ def test_prefixes_shared_by_different_suffixes_at_unaligned_lengths(r3_harness):
 
 def test_routed_experts_reads_a_request_output(r3_harness):
     harness = r3_harness()
-    tokens = prompt(70, seed=3)
+    tokens = seeded_prompt(70, seed=3)
     harness.generate([("r", tokens)], max_tokens=2)
 
     class Completion:
@@ -119,8 +118,8 @@ def test_routed_experts_reads_a_request_output(r3_harness):
 def chunked_prefill_of_concurrent_requests_then_lmcache_hits(harness) -> None:
     """Concurrent requests sharing prefixes of unaligned lengths, in steps that end inside blocks and chunks (the
     harness built with ``max_num_batched_tokens=48``), then the same prompts again from LMCache."""
-    base = prompt(2 * CHUNK + 40, seed=4)
-    requests = {f"c{i}": base[: 50 + 40 * i] + prompt(30, seed=40 + i) for i in range(4)}
+    base = seeded_prompt(2 * CHUNK + 40, seed=4)
+    requests = {f"c{i}": base[: 50 + 40 * i] + seeded_prompt(30, seed=40 + i) for i in range(4)}
     harness.generate(requests.items(), max_tokens=5)
     harness.reset_prefix_cache()
     again = {f"again{i}": tokens for i, tokens in enumerate(requests.values())}
@@ -138,7 +137,7 @@ def test_chunked_prefill_of_concurrent_requests_then_lmcache_hits(r3_harness):
 def preempted_requests_return_exact_rows(harness) -> None:
     """Three requests admitted together into a pool too small for them (the harness built with ``num_blocks=14``,
     ``max_num_batched_tokens=64``: 13 usable blocks, 416 tokens): vLLM preempts, and every row is still exact."""
-    requests = {f"p{i}": prompt(150, seed=50 + i) for i in range(3)}
+    requests = {f"p{i}": seeded_prompt(150, seed=50 + i) for i in range(3)}
     preempted: set[str] = set()
     for request_id, tokens in requests.items():
         harness.add_request(request_id, tokens, max_tokens=60)
@@ -182,7 +181,7 @@ def speculative_drafts_return_and_publish_only_accepted_rows(harness) -> None:
     """One request decoding with drafts across two chunk boundaries: exact rows, two chunks published, and a later
     LMCache hit on the whole sequence returns exact rows."""
     book = harness.scheduler.connector.routed
-    tokens = prompt(CHUNK + 30, seed=9)
+    tokens = seeded_prompt(CHUNK + 30, seed=9)
     harness.generate([("spec", tokens)], max_tokens=70)  # decodes across the second and third chunk boundaries
     assert harness.drafts_rejected > 0 and harness.times_scheduled["spec"] < 70, "drafts were accepted and rejected"
     rows = returned_rows(harness, "spec")
@@ -200,7 +199,7 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
     again every step until it can allocate. The R3 fetched for the lookup serves every ask (the server is not asked
     again), and the rows it returns once admitted are exact."""
     harness = r3_harness(num_blocks=14)  # 13 usable blocks of 32 tokens
-    hit = prompt(4 * CHUNK + 44, seed=61)
+    hit = seeded_prompt(4 * CHUNK + 44, seed=61)
     harness.generate([("warm", hit)], max_tokens=2)
     harness.reset_prefix_cache()
     connector = harness.scheduler.connector
@@ -213,7 +212,7 @@ def test_a_hit_waiting_for_blocks_is_asked_again_every_step_and_one_r3_fetch_ser
             asks[request.request_id] = asks.get(request.request_id, 0) + 1
         return result
 
-    harness.add_request("running", prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
+    harness.add_request("running", seeded_prompt(300, seed=62), max_tokens=60)  # holds 10 blocks, then 12
     harness.step_until_scheduled("running")
     fetches = connector.routed.counters.values["fetches"]
     harness.add_request("waiting", hit, max_tokens=4)  # its 301 tokens need 10 blocks: it waits for the first
@@ -247,11 +246,11 @@ def test_while_a_lookups_r3_is_out_running_requests_keep_stepping_and_the_joint_
     (vLLM asks again each step) and the scheduler does not wait for the R3 read, so a running request steps on;
     once the R3 answer comes, the whole joint hit is loaded and the rows are exact."""
     harness = r3_harness()
-    hit = prompt(3 * CHUNK + 20, seed=71)
+    hit = seeded_prompt(3 * CHUNK + 20, seed=71)
     harness.generate([("warm", hit)], max_tokens=2)
     book = harness.scheduler.connector.routed
     harness.reset_prefix_cache()
-    harness.add_request("running", prompt(100, seed=72), max_tokens=200)
+    harness.add_request("running", seeded_prompt(100, seed=72), max_tokens=200)
     harness.step_until_scheduled("running")
     release = threading.Event()
     fetch_many = book.client.fetch_many
@@ -289,7 +288,7 @@ def test_rows_complete_although_request_finished_runs_before_the_last_steps_rows
         return update(output)
 
     connector.request_finished, connector.update_connector_output = request_finished, update_connector_output
-    tokens = prompt(90, seed=6)
+    tokens = seeded_prompt(90, seed=6)
     harness.generate([("order", tokens)], max_tokens=3)
     finished_at = events.index(("request_finished", frozenset({"order"})))
     assert events[finished_at + 1] == ("rows", frozenset({1})), events[-4:]  # the last step's one decode row
@@ -304,7 +303,7 @@ def test_a_request_aborted_mid_prefill_publishes_only_complete_chunks(r3_harness
 
     harness = r3_harness(max_num_batched_tokens=48)
     connector = harness.scheduler.connector
-    tokens = prompt(4 * CHUNK, seed=7)
+    tokens = seeded_prompt(4 * CHUNK, seed=7)
     harness.add_request("aborted", tokens, max_tokens=4)
     while harness.scheduler.requests["aborted"].num_computed_tokens < 96:  # rows up to 96: one whole chunk
         harness.step()
@@ -327,7 +326,7 @@ def test_r3_deleted_with_kv_kept_shrinks_the_hit_and_rows_stay_exact(own_r3_serv
     r3_server = own_r3_server
     harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=True)
     connector = harness.scheduler.connector
-    tokens = prompt(4 * CHUNK + 9, seed=8)
+    tokens = seeded_prompt(4 * CHUNK + 9, seed=8)
     harness.generate([("first", tokens)], max_tokens=3)
     harness.settle_stores()
     with R3Client(r3_server.url, connector.scheduler_adapter.model_name, connector.r3_profile) as client:
@@ -361,7 +360,7 @@ def test_server_killed_mid_run_requests_recompute_with_exact_rows(scheduler_harn
         server=doomed, connector_module=CONNECTOR, routed_experts=True, mq_timeout_s=2.0,
         extra_config={"lmcache_r3.r3_timeout_s": 1.0},
     )  # fmt: skip
-    requests_recompute_while_the_server_is_down(harness, doomed, prompt(3 * CHUNK + 5, seed=9))
+    requests_recompute_while_the_server_is_down(harness, doomed, seeded_prompt(3 * CHUNK + 5, seed=9))
 
 
 def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
@@ -377,7 +376,7 @@ def test_a_server_restarted_on_its_port_serves_joint_hits_again_with_exact_rows(
     )  # fmt: skip
     book = harness.scheduler.connector.routed
     book.retry_after_s = 1.0  # how long R3 calls pause after one timed out (10 s by default)
-    tokens = prompt(3 * CHUNK + 5, seed=83)
+    tokens = seeded_prompt(3 * CHUNK + 5, seed=83)
     expected = requests_recompute_while_the_server_is_down(harness, first, tokens)
     np.testing.assert_array_equal(expected, expected_rows(harness, "before", tokens, 3))
 
@@ -431,7 +430,7 @@ def test_a_model_without_moe_layers_serves_kv_with_routed_experts_off(
         server=r3_server, model_dir=tiny_dense_config, connector_module=CONNECTOR, routed_experts=True
     )
     assert harness.scheduler.connector.r3_profile is None and harness.scheduler.connector.routed is None
-    tokens = prompt(3 * CHUNK + 2, seed=10)
+    tokens = seeded_prompt(3 * CHUNK + 2, seed=10)
     harness.generate([("dense", tokens)], max_tokens=2)
     harness.reset_prefix_cache()
     harness.generate([("dense-again", tokens)], max_tokens=2)
@@ -510,7 +509,7 @@ def test_a_step_without_capture_gives_an_error_never_rows(r3_harness, caplog):
         raise CaptureError("a step ran tokens through the model but no MoE router reported its routing")
 
     harness.worker.r3_step_source = no_capture
-    harness.generate([("blind", prompt(80, seed=12))], max_tokens=2)
+    harness.generate([("blind", seeded_prompt(80, seed=12))], max_tokens=2)
     params = harness.outputs["blind"]
     assert ROUTED_EXPERTS_KEY not in params
     assert "incomplete" in params[ROUTED_EXPERTS_ERROR_KEY]
@@ -521,7 +520,7 @@ def test_a_server_without_the_r3_module_recomputes_and_says_how_to_fix_it(
     scheduler_harness_factory, lmcache_server, caplog
 ):
     harness = scheduler_harness_factory(server=lmcache_server, connector_module=CONNECTOR, routed_experts=True)
-    tokens = prompt(2 * CHUNK + 10, seed=13)
+    tokens = seeded_prompt(2 * CHUNK + 10, seed=13)
     harness.generate([("one", tokens)], max_tokens=2)
     harness.reset_prefix_cache()
     harness.generate([("two", tokens)], max_tokens=2)
@@ -541,7 +540,7 @@ def cut_hit_beside_a_holder(server, scheduler_harness_factory, seed: int):
     harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
     connector = harness.scheduler.connector
     adapter = connector.scheduler_adapter
-    tokens = prompt(4 * CHUNK + 9, seed=seed)
+    tokens = seeded_prompt(4 * CHUNK + 9, seed=seed)
     harness.generate([("first", tokens)], max_tokens=3)
     harness.settle_stores()
     with R3Client(server.url, adapter.model_name, connector.r3_profile) as client:

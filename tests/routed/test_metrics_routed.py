@@ -11,9 +11,9 @@ from tests.routed.test_harness_routed import (
     CHUNK,
     CONNECTOR,
     cold_then_lmcache_hit_then_prefix_cache_hit,
-    prompt,
     returned_rows,
 )
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.server, pytest.mark.harness]
 
@@ -45,7 +45,7 @@ def test_vllm_metrics_count_where_every_tokens_routing_came_from(scheduler_harne
 
 def test_kv_only_connector_reports_its_lookups_and_no_routing(scheduler_harness_factory, r3_server):
     harness = scheduler_harness_factory(server=r3_server, connector_module=CONNECTOR, routed_experts=False)
-    tokens = prompt(2 * CHUNK + 3, seed=12)
+    tokens = seeded_prompt(2 * CHUNK + 3, seed=12)
     harness.generate([("cold", tokens)], max_tokens=2)
     harness.reset_prefix_cache()
     harness.generate([("warm", tokens)], max_tokens=2)

@@ -6,12 +6,19 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 
 class Drawn(Protocol):
     """A request drawn earlier in a schedule: its id and prompt."""
 
     rid: str
     prompt: list[int]
+
+
+def seeded_prompt(length: int, seed: int) -> list[int]:
+    """``length`` tokens in [10, 900), the same for the same seed."""
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 900, size=length)]
 
 
 def fresh_tokens(rng: random.Random, n: int) -> list[int]:

@@ -19,10 +19,11 @@ from lmcache_r3.launch import free_port
 from lmcache_r3.mp.clearing import clear_servers
 from lmcache_r3.mp.r3_client import R3Client
 from lmcache_r3.tiers.mooncake_store import prefix_pattern
-from tests.routed.test_harness_routed import CONNECTOR, expected_rows, prompt, returned_rows
+from tests.routed.test_harness_routed import CONNECTOR, expected_rows, returned_rows
 from tests.server.test_r3_server_module import CHUNK, MODEL, PROFILE, rows_for, store_rows, tokens_for
 from tests.support.l2_tasks import CallerBuffer, completed, object_key
 from tests.support.mooncake import MOONCAKE_ENV
+from tests.support.prompts import seeded_prompt
 from tests.tiers import test_mooncake_tier as mooncake
 from tests.tiers.test_shm_tier import fetch_rows, shm_root, shm_tier, tier_files, wait_for_files
 from tests.tiers.test_shm_tier import tier_status as shm_status
@@ -60,7 +61,7 @@ def test_a_connector_reset_after_a_weight_update_serves_nothing_from_before_from
     server, prefix = stacked_server(r3_server_factory, mooncake_cluster, shm_root)
     try:
         harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, routed_experts=True)
-        tokens = prompt(3 * CHUNK + 9, seed=31)
+        tokens = seeded_prompt(3 * CHUNK + 9, seed=31)
         harness.generate([("before", tokens)], max_tokens=3)
         harness.settle_stores()
         wait_for_files(shm_root, 6)  # 3 chunks: their KV and their R3
@@ -188,7 +189,7 @@ def test_a_reset_with_the_server_gone_answers_false_within_the_connectors_bound(
 ):
     server = r3_server_factory(l2_adapters=(shm_tier(shm_root),))
     harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR, mq_timeout_s=2.0)
-    harness.generate([("before", prompt(2 * CHUNK + 3, seed=33))], max_tokens=2)
+    harness.generate([("before", seeded_prompt(2 * CHUNK + 3, seed=33))], max_tokens=2)
     harness.settle_stores()
     server.stop()
     began = time.monotonic()
@@ -224,7 +225,7 @@ def stored_then_aborted_while_its_lookup_is_out(factory, server, seed: int):
     from tests.support.processes import paused
 
     harness = factory(server=server, connector_module=CONNECTOR, routed_experts=True)
-    tokens = prompt(3 * CHUNK + 9, seed=seed)
+    tokens = seeded_prompt(3 * CHUNK + 9, seed=seed)
     harness.generate([("before", tokens)], max_tokens=2)
     harness.settle_stores()
     harness.reset_prefix_cache()
@@ -267,7 +268,7 @@ def test_a_clear_that_must_keep_objects_in_use_says_so_and_the_reset_fails(own_r
 
     server = own_r3_server
     harness = scheduler_harness_factory(server=server, connector_module=CONNECTOR)
-    tokens = prompt(3 * CHUNK + 9, seed=39)
+    tokens = seeded_prompt(3 * CHUNK + 9, seed=39)
     harness.generate([("before", tokens)], max_tokens=2)
     harness.settle_stores()
     waiting = harness.make_request("waiting", tokens + [3])
