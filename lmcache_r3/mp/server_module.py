@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 from lmcache.logging import init_logger
 from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
@@ -178,16 +177,16 @@ class R3ServerModule:
         item_keys = [
             self._checked_store(profile, item, object_nbytes, index, len(items)) for index, item in enumerate(items)
         ]
-        sources: dict[ObjectKey, memoryview] = {}
+        sources: dict[ObjectKey, int] = {}  # the address of each new key's object in its item's payload
         for item, keys in zip(items, item_keys, strict=True):
-            objects = memoryview(item.objects)
+            base = _address(item.objects)
             for index, key in enumerate(keys):
-                sources.setdefault(key, objects[index * object_nbytes : (index + 1) * object_nbytes])
+                sources.setdefault(key, base + index * object_nbytes)
         storage = self._ctx.storage_manager
         reserved = storage.reserve_write(list(sources), _layout(object_nbytes)) if sources else {}
         if reserved:
-            for key, obj in reserved.items():
-                _write_object(obj, sources[key])
+            for key, obj in reserved.items():  # the payloads (in ``items``) outlive these copies
+                ctypes.memmove(obj.data_ptr, sources[key], object_nbytes)
             storage.finish_write_by_owner(storage.prepare_write_completion(reserved))
         results, counted = [], set()
         for keys in item_keys:
@@ -381,9 +380,10 @@ class R3ServerModule:
         """One read lock on each of ``keys`` present in L1 or in an L2 tier (brought into L1); the prefetch result
         naming them, or None when the tiers did not answer in time.
 
-        With L2 tiers, L1 is asked first, on this thread: when it holds every key (hot R3), no task goes through
-        LMCache's prefetch thread and the tiers are not asked. Otherwise its locks are released and one prefetch
-        asks L1 and the tiers together.
+        L1 is asked first, on this thread (an L1-only prefetch is answered before its submit returns): without L2
+        tiers, or when L1 holds every key (hot R3), that is the answer, and no task goes through LMCache's prefetch
+        thread, whose hand-off cost most of a fetch of a few small objects. Otherwise its locks are released and one
+        prefetch asks L1 and the tiers together.
         """
         storage = self._ctx.storage_manager
         spec = PrefetchTaskSpec(
@@ -393,15 +393,15 @@ class R3ServerModule:
             num_kv_readers=1,
             fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
         )
-        if storage.l2_adapters():
-            handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3", skip_l2=True)
-            in_l1 = storage.query_prefetch_status(handle)  # answered before submit returned (L1 only)
-            if in_l1 is not None:
-                locked = in_l1.hit_cells[0].get_indices_list()
-                if len(locked) == len(keys):
-                    return in_l1
-                if locked:
-                    storage.finish_read_prefetched([keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners)
+        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3", skip_l2=True)
+        in_l1 = storage.query_prefetch_status(handle)  # answered before submit returned (L1 only)
+        if in_l1 is None:
+            return self._wait_prefetch(handle, keys)
+        locked = in_l1.hit_cells[0].get_indices_list()
+        if len(locked) == len(keys) or not storage.l2_adapters():
+            return in_l1
+        if locked:
+            storage.finish_read_prefetched([keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners)
         handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
         return self._wait_prefetch(handle, keys)
 
@@ -475,13 +475,12 @@ def _layout(object_nbytes: int) -> MemoryLayoutDesc:
     return MemoryLayoutDesc(shapes=[torch.Size([object_nbytes])], dtypes=[torch.uint8])
 
 
-def _write_object(obj: Any, data: memoryview) -> None:
-    """Copy ``data`` to the start of a write-reserved L1 memory object (host memory).
+def _address(payload: bytes) -> int:
+    """The address of the bytes of ``payload`` (valid while it lives), for ``memmove`` into L1 memory objects.
 
-    One ``memmove`` at the object's address: building tensor and array views of each object cost most of a
-    store or fetch of many small R3 objects.
+    Copies by address: building tensor or array views of each small R3 object cost most of a store of many.
     """
-    ctypes.memmove(obj.data_ptr, np.frombuffer(data, dtype=np.uint8).ctypes.data, len(data))
+    return ctypes.cast(ctypes.c_char_p(payload), ctypes.c_void_p).value
 
 
 def _read_object(obj: Any, object_nbytes: int) -> bytes:
