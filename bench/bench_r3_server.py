@@ -311,8 +311,8 @@ def main() -> int:
             "",
             f"The same `fetch_many` of {HOT_REQUESTS} requests, all in L1, on this server and on a second one started "
             "the same but with an shm tier below L1 (medians of 200 calls; handler: the R3 module's server time per "
-            "call, `read_handler_us` in `/status`). The module asks L1 first on its own thread and goes through "
-            "LMCache's prefetch thread (L1 and the tiers) only when tiers are configured and L1 lacks a chunk:",
+            "call, `read_handler_us` in `/status`). With tiers, the module asks L1 first on its own thread and goes "
+            "through LMCache's prefetch thread (L1 and the tiers) only when L1 lacks a chunk:",
             "",
             "| server | round trip | handler |",
             "| --- | --- | --- |",

@@ -380,10 +380,9 @@ class R3ServerModule:
         """One read lock on each of ``keys`` present in L1 or in an L2 tier (brought into L1); the prefetch result
         naming them, or None when the tiers did not answer in time.
 
-        L1 is asked first, on this thread (an L1-only prefetch is answered before its submit returns): without L2
-        tiers, or when L1 holds every key (hot R3), that is the answer, and no task goes through LMCache's prefetch
-        thread, whose hand-off cost most of a fetch of a few small objects. Otherwise its locks are released and one
-        prefetch asks L1 and the tiers together.
+        Without L2 tiers LMCache serves the prefetch from L1 on this thread. With L2 tiers, L1 is asked first, on
+        this thread: when it holds every key (hot R3), no task goes through LMCache's prefetch thread and the tiers
+        are not asked. Otherwise its locks are released and one prefetch asks L1 and the tiers together.
         """
         storage = self._ctx.storage_manager
         spec = PrefetchTaskSpec(
@@ -393,15 +392,15 @@ class R3ServerModule:
             num_kv_readers=1,
             fetching_policy="full",  # ranges follow each other in one group: a miss ends only its own range's hit
         )
-        handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3", skip_l2=True)
-        in_l1 = storage.query_prefetch_status(handle)  # answered before submit returned (L1 only)
-        if in_l1 is None:
-            return self._wait_prefetch(handle, keys)
-        locked = in_l1.hit_cells[0].get_indices_list()
-        if len(locked) == len(keys) or not storage.l2_adapters():
-            return in_l1
-        if locked:
-            storage.finish_read_prefetched([keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners)
+        if storage.l2_adapters():
+            handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3", skip_l2=True)
+            in_l1 = storage.query_prefetch_status(handle)  # answered before submit returned (L1 only)
+            if in_l1 is not None:
+                locked = in_l1.hit_cells[0].get_indices_list()
+                if len(locked) == len(keys):
+                    return in_l1
+                if locked:
+                    storage.finish_read_prefetched([keys[i] for i in locked], read_locks=1, l1_owners=in_l1.l1_owners)
         handle = storage.submit_prefetch_task(spec, external_request_id="lmcache_r3")
         return self._wait_prefetch(handle, keys)
 

@@ -10,6 +10,7 @@ import pytest
 
 from tests.routed.test_harness_routed import expected_rows, returned_rows
 from tests.support.harness import wait_locks
+from tests.support.prompts import seeded_prompt
 
 pytestmark = [pytest.mark.harness, pytest.mark.server]
 
@@ -22,7 +23,7 @@ def test_a_request_that_skips_reading_the_prefix_cache_locks_nothing_and_compute
     own_r3_server, scheduler_harness_factory, routed_experts
 ):
     harness = scheduler_harness_factory(server=own_r3_server, connector_module=CONNECTOR, routed_experts=routed_experts)
-    tokens = [int(t) for t in np.random.default_rng(21).integers(10, 900, size=4 * CHUNK + 19)]
+    tokens = seeded_prompt(4 * CHUNK + 19, seed=21)
     harness.generate([("cold", tokens)], max_tokens=2)
     harness.reset_prefix_cache()  # LMCache holds the prompt's KV (and R3) now
     request = harness.make_request("logprobs", tokens, 2)

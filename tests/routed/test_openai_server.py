@@ -20,6 +20,7 @@ from lmcache_r3 import RoutedExpertsUnavailable, routed_experts_from_params
 from lmcache_r3.demo.run import BLOCK_SIZE
 from lmcache_r3.launch import ManagedProcess, free_port, start_on_fresh_ports
 from lmcache_r3.output import SOURCES_KEY
+from tests.support.engine_r3 import words  # seeds here are this module's own: no other test's stores share a prefix
 from tests.support.processes import REGISTRY
 
 pytestmark = pytest.mark.engine
@@ -106,11 +107,6 @@ def api_server(tiny_moe, r3_server, tmp_path_factory):
 def tokens_of(choice: dict) -> list[int]:
     """The prompt's and the choice's output token ids, as the server returned them."""
     return list(choice["prompt_token_ids"]) + list(choice["token_ids"])
-
-
-def words(length: int, seed: int) -> list[int]:
-    """Prompt tokens; the seeds here are this module's own, so no other test's LMCache stores share a prefix."""
-    return [int(t) for t in np.random.default_rng(seed).integers(4, 1000, size=length)]
 
 
 def test_a_response_carries_rows_equal_to_hf_router_and_an_lmcache_hit_returns_them_again(api_server, hf_router):
