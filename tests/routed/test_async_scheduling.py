@@ -72,7 +72,7 @@ def test_the_harness_runs_vllms_async_scheduler_with_two_steps_in_flight(async_h
 
 def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(async_harness, async_server):
     harness = async_harness()
-    cold_then_lmcache_hit_then_prefix_cache_hit(harness)
+    cold_then_lmcache_hit_then_prefix_cache_hit(harness, seed=1003)
     assert harness.scheduler.connector.routed.counters.values["requests_incomplete"] == 0
     assert wait_locks(async_server, 0) == 0
 

@@ -59,11 +59,12 @@ def r3_harness(scheduler_harness_factory, r3_server):
     return build
 
 
-def cold_then_lmcache_hit_then_prefix_cache_hit(harness) -> None:
+def cold_then_lmcache_hit_then_prefix_cache_hit(harness, seed: int) -> None:
     """A cold run, the same prompt from LMCache after vLLM's prefix cache was reset, then from vLLM's own prefix
-    cache: the three return the router's rows (the scenario of this test and of the async-scheduling one)."""
+    cache: the three return the router's rows (the scenario of this test and of the async-scheduling one). Each
+    caller passes a ``seed`` of its own: the server is shared, and a prompt another test stored is no cold run."""
     book = harness.scheduler.connector.routed
-    tokens = seeded_prompt(4 * CHUNK + 19, seed=1)
+    tokens = seeded_prompt(4 * CHUNK + 19, seed=seed)
     harness.generate([("cold", tokens)], max_tokens=4)
     cold = returned_rows(harness, "cold")
     np.testing.assert_array_equal(cold, expected_rows(harness, "cold", tokens, 4))
@@ -80,7 +81,7 @@ def cold_then_lmcache_hit_then_prefix_cache_hit(harness) -> None:
 
 
 def test_cold_then_lmcache_hit_then_prefix_cache_hit_return_the_same_rows(r3_harness):
-    cold_then_lmcache_hit_then_prefix_cache_hit(r3_harness())
+    cold_then_lmcache_hit_then_prefix_cache_hit(r3_harness(), seed=1)
 
 
 def test_prefixes_shared_by_different_suffixes_at_unaligned_lengths(r3_harness):
@@ -482,7 +483,7 @@ def test_a_sliding_window_model_returns_exact_rows_from_every_source_and_while_i
     """vLLM frees the window group's blocks as the window passes them and hands them to other requests; the rows
     are kept in the full-attention group's slots, so a cold run, an LMCache hit, vLLM's own hit and requests that
     preempt each other in a small pool all return the router's rows."""
-    cold_then_lmcache_hit_then_prefix_cache_hit(sliding_r3_harness())
+    cold_then_lmcache_hit_then_prefix_cache_hit(sliding_r3_harness(), seed=1002)
     preempted_requests_return_exact_rows(sliding_r3_harness(num_blocks=20, max_num_batched_tokens=64))
 
 
