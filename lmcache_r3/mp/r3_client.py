@@ -143,7 +143,7 @@ class R3Client(ServerModuleClient):
         self._profile_spec = protocol.ProfileSpec.of(profile)
 
     def _range(self, token_ids: Sequence[int], start: int, end: int | None, cache_salt: str) -> protocol.ChunkRange:
-        tokens = list(token_ids)
+        tokens = token_ids if type(token_ids) is list else list(token_ids)  # msgspec encodes a list as it is
         return protocol.ChunkRange(
             model_name=self.model_name,
             token_ids=tokens,

@@ -41,6 +41,7 @@ from lmcache_r3.artifacts import (
 from lmcache_r3.counters import Counters
 from lmcache_r3.mp.r3_client import FetchSpec, R3Call, R3Client, R3TimeoutError, StoreSpec
 from lmcache_r3.mp.r3_messages import R3WorkerMetadata
+from lmcache_r3.mp.unsent_stores import UnsentStores
 from lmcache_r3.output import (
     FINGERPRINT_KEY,
     ROUTED_EXPERTS_ERROR_KEY,
@@ -173,16 +174,17 @@ class RoutedExpertsBook:
         """The latest step whose rows the worker reported: rows of every earlier step are in the mirror too."""
         self._publish_due: dict[str, int] = {}
         """Per request with KV stored past its published R3, the step after whose report the rows are there."""
-        self.store_batch_steps = store_batch_steps
-        """Reported steps the R3 of running requests may wait to go out in one store call with later ones."""
-        self._unsent: list[StoreSpec] = []
-        self._unsent_ids: list[str] = []
-        self._unsent_since = 0
-        """The reported step when the oldest unsent store was read from the mirror."""
+        self._unsent = UnsentStores(store_batch_steps)
+        """R3 read from the mirror, to go out in one store call with later ones (see :mod:`.unsent_stores`)."""
         self.retry_after_s = 10.0
         self.sibling_grace_s = 30.0
         """How long a parallel-sampling group whose children all ended waits for one more (see ``_child_ended``)."""
         self._quiet_until = 0.0
+
+    @property
+    def store_batch_steps(self) -> int:
+        """Reported steps the R3 of prompt tokens may wait to go out in one store call with later ones."""
+        return self._unsent.batch_steps
 
     def probe_server(self, timeout_s: float) -> bool:
         """Ask the server for its R3 module once (at start); log how to fix a server without it.
@@ -393,6 +395,7 @@ class RoutedExpertsBook:
         if state is not None:
             state.blocks = []
             self._publish_due.pop(request_id, None)
+            self._unsent.flush_for(request_id)  # its own next lookup may hit the KV of the tokens it generated
 
     def _apply_copies(self, through: int) -> None:
         """Apply the block copies of every step up to ``through``, in step order."""
@@ -510,25 +513,18 @@ class RoutedExpertsBook:
             state = self._requests.get(request_id)
             item = self._publishable(state) if state is not None else None
             if item is not None:
-                if not self._unsent:
-                    self._unsent_since = self._reported
-                self._unsent.append(item)
-                self._unsent_ids.append(request_id)
+                self._unsent.add(request_id, item, state.request.num_prompt_tokens, self._reported)
 
     def _stores_due(self) -> bool:
-        """Whether the unsent R3 stores go out now: the oldest waited ``store_batch_steps`` reported steps, or one
-        belongs to a request that ended (finishing, or aborted: its next turn may look it up at once)."""
-        if not self._unsent:
-            return False
-        if self._reported - self._unsent_since >= self.store_batch_steps:
-            return True
-        return any(request_id in self._finishing or request_id not in self._requests for request_id in self._unsent_ids)
+        """Whether the unsent R3 stores go out now (see :mod:`.unsent_stores`): a request with R3 waiting ended
+        (finishing, or aborted: its next turn may look it up at once) or was preempted, a store of prompt tokens
+        waited ``store_batch_steps`` reported steps, or too many bytes wait."""
+        return self._unsent.due(self._reported)
 
     def _send_stores(self) -> None:
         """Send every unsent R3 store in one call."""
         if self._unsent:
-            items, publishers = self._unsent, tuple(self._unsent_ids)
-            self._unsent, self._unsent_ids = [], []
+            items, publishers = self._unsent.take()
             self._stores.append((publishers, self.client.store_many(items)))
 
     def _publishable(self, state: _RequestState) -> StoreSpec | None:
@@ -584,6 +580,7 @@ class RoutedExpertsBook:
             self._child_ended(request.request_id)
         if state is None:
             return params
+        self._unsent.flush_for(request.request_id)
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._requests.pop(request.request_id, None)  # never published past what was complete; nothing to return
             if self._stores_due():  # its complete chunks already read: sent now, whether or not a step follows
@@ -662,6 +659,7 @@ class RoutedExpertsBook:
         self._requests.pop(request_id, None)
         self._finishing.pop(request_id, None)
         self._publish_due.pop(request_id, None)
+        self._unsent.flush_for(request_id)
 
     def settle(self, timeout_s: float) -> None:
         """Send the unsent R3 stores and wait (bounded) for those in flight; for shutdown and tests."""
