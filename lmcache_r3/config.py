@@ -155,10 +155,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     r3_timeout_s: PositiveSeconds = 5.0
     """Bound on an R3 lookup, store or fetch; past it the R3 hit counts as a miss."""
     r3_store_batch_steps: Annotated[int, msgspec.Meta(ge=0, le=MAX_R3_STORE_BATCH_STEPS)] = 8
-    """Engine steps the R3 of prompt tokens may wait to be sent in one store call with later ones (0: nothing waits,
-    every step sends its own). The R3 of generated tokens, which only a request whose prompt holds them can use,
-    waits until its request ends or is preempted (or 8 MiB wait); a request's R3 is sent no later than the step
-    it ends in."""
+    """Engine steps the R3 of chunks of prompt tokens may wait to be sent in one store call with later ones (0:
+    nothing waits, every step sends its own). The R3 of chunks holding generated tokens, which only a request whose
+    prompt holds them can use, waits until its request ends or is preempted (or 8 MiB wait); a request's R3 is sent
+    no later than the step it ends in."""
     save_decode_cache: bool = False
     """Also store the KV (and routed experts) of generated tokens, so a multi-turn rollout's next turn reuses the
     previous answer; off stores prompt tokens only (LMCache's default)."""

@@ -513,7 +513,8 @@ class RoutedExpertsBook:
             state = self._requests.get(request_id)
             item = self._publishable(state) if state is not None else None
             if item is not None:
-                self._unsent.add(request_id, item, state.request.num_prompt_tokens, self._reported)
+                prompt_chunks = item[1] + self.chunk_size <= state.request.num_prompt_tokens
+                self._unsent.add(request_id, item, prompt_chunks, self._reported)
 
     def _stores_due(self) -> bool:
         """Whether the unsent R3 stores go out now (see :mod:`.unsent_stores`): a request with R3 waiting ended

@@ -4,11 +4,12 @@ Every R3 call costs the engine core and the LMCache server a fixed amount of wor
 client's sending thread, a handler in the server), so the scheduler sends the R3 of many requests and steps in
 one ``store_many`` call. How long a store may wait depends on who could use it:
 
-* the R3 of **prompt** tokens can serve another request at once (a rollout group's other samples on another
-  engine, the same prompt sent again): it waits at most ``batch_steps`` reported engine steps;
-* the R3 of tokens the request **generated** can serve only a request whose prompt holds them, which exists
-  once this one has ended (the next turn of a conversation, a partial rollout resumed), or this request itself
-  after a preemption: it waits until the request ends or is preempted (:meth:`UnsentStores.flush_for`);
+* a chunk of **prompt** tokens only can serve another request at once (a rollout group's other samples on
+  another engine, the same prompt sent again): it waits at most ``batch_steps`` reported engine steps;
+* a chunk holding tokens the request **generated** (the one the prompt ends in, too: its key hashes every token
+  up to its end) can serve only a request whose prompt holds them, which exists once this one has ended (the
+  next turn of a conversation, a partial rollout resumed), or this request itself after a preemption: it waits
+  until the request ends or is preempted (:meth:`UnsentStores.flush_for`);
 * whatever waits, at most ``max_nbytes`` of objects and token ids are held: past that, everything goes.
 
 The stores of one request follow each other (each starts where the previous one ended), so while they wait they
@@ -64,12 +65,12 @@ class UnsentStores:
     def __bool__(self) -> bool:
         return bool(self._items)
 
-    def add(self, request_id: str, item: StoreSpec, num_prompt_tokens: int, reported: int) -> None:
+    def add(self, request_id: str, item: StoreSpec, prompt_chunks: bool, reported: int) -> None:
         """Hold one store of ``request_id``, read after engine step ``reported`` had reported its rows.
 
         Args:
             item: ``(token_ids, start, objects, end, cache_salt)``; ``token_ids`` is not copied.
-            num_prompt_tokens: the request's prompt length: a store starting before it holds prompt tokens.
+            prompt_chunks: whether its first chunk holds prompt tokens only (see the module docstring).
         """
         tokens, start, objects, end, salt = item
         token_list = tokens if isinstance(tokens, list) else list(tokens)
@@ -83,7 +84,7 @@ class UnsentStores:
             self._items.append(last)
             self._last[request_id] = last
             self.nbytes += TOKEN_ID_BYTES * len(token_list) + len(objects)
-        if start < num_prompt_tokens and self._prompt_since is None:
+        if prompt_chunks and self._prompt_since is None:
             self._prompt_since = reported
 
     def flush_for(self, request_id: str) -> None:

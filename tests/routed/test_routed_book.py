@@ -584,18 +584,17 @@ def test_batched_r3_is_what_the_request_computed_even_if_its_blocks_are_rewritte
 
 
 def generate_past_the_prompt(book: RoutedExpertsBook, request: Request, r3_server) -> int:
-    """Run ``request`` (a 10-token prompt) to 134 tokens: chunk 0 (prompt tokens) goes out once the batch steps
-    passed, chunk 1 (generated) is read from the mirror at 128 and then held for 3 steps. The server's store calls
-    before it began."""
+    """Run ``request`` (a prompt of ``CHUNK + 10`` tokens) to ``2 * CHUNK + 6``: chunk 0 (prompt tokens only) goes
+    out once the batch steps passed; chunk 1 (the end of the prompt, then generated tokens) is read from the mirror
+    at ``2 * CHUNK`` and then held for 3 steps. The server's store calls before it began."""
     calls_before = r3_server.status()["lmcache_r3"]["store_calls"]
-    step = start_request(book, request, 10)
-    request.num_computed_tokens = 10
-    book.on_worker_output(worker_output(step, 0, 10))
-    continue_request(book, request, 10, CHUNK, store_end=CHUNK)
-    continue_request(book, request, CHUNK, CHUNK + 2)
-    continue_request(book, request, CHUNK + 2, CHUNK + 4)
+    step = start_request(book, request, CHUNK + 10, store_end=CHUNK)
+    request.num_computed_tokens = CHUNK + 10
+    book.on_worker_output(worker_output(step, 0, CHUNK + 10))
+    continue_request(book, request, CHUNK + 10, CHUNK + 12)
+    continue_request(book, request, CHUNK + 12, CHUNK + 14)
     assert fetched_chunks(book.client, request.all_token_ids, 1) == 1  # the prompt's chunk: out after 2 steps
-    continue_request(book, request, CHUNK + 4, 2 * CHUNK, store_end=2 * CHUNK)
+    continue_request(book, request, CHUNK + 14, 2 * CHUNK, store_end=2 * CHUNK)
     for start in range(2 * CHUNK, 2 * CHUNK + 6, 2):
         continue_request(book, request, start, start + 2)
     return calls_before
@@ -604,7 +603,7 @@ def generate_past_the_prompt(book: RoutedExpertsBook, request: Request, r3_serve
 @pytest.mark.parametrize("batched_book", [2], indirect=True)
 def test_r3_of_generated_tokens_waits_for_the_request_to_end_then_goes_out_in_its_last_step(batched_book, r3_server):
     book = batched_book
-    request = Request("generating", list(range(19000, 19000 + 2 * CHUNK + 10)), num_prompt_tokens=10)
+    request = Request("generating", list(range(19000, 19000 + 2 * CHUNK + 10)), num_prompt_tokens=CHUNK + 10)
     calls_before = generate_past_the_prompt(book, request, r3_server)
     # No request but this one could use chunk 1 yet: it waits past the batch steps.
     assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 1
@@ -621,7 +620,7 @@ def test_r3_of_generated_tokens_waits_for_the_request_to_end_then_goes_out_in_it
 def test_r3_of_generated_tokens_goes_out_when_the_request_is_preempted(batched_book, r3_server):
     """A preempted request looks itself up again when it resumes: the R3 of what it generated must be there."""
     book = batched_book
-    request = Request("preempted", list(range(21000, 21000 + 2 * CHUNK + 10)), num_prompt_tokens=10)
+    request = Request("preempted", list(range(21000, 21000 + 2 * CHUNK + 10)), num_prompt_tokens=CHUNK + 10)
     generate_past_the_prompt(book, request, r3_server)
     assert book.client.fetch(request.all_token_ids).result().num_hit_chunks == 1
     step = book.on_schedule(SchedulerOutput({}, preempted_req_ids={request.request_id}), 0)
