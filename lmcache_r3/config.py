@@ -47,7 +47,8 @@ SEPARATE_GROUPS_FLAGS = ("--separate-object-groups", "--no-separate-object-group
 RESERVED_SERVER_FLAGS = {
     "--host": "host", "--port": "port", "--http-host": "http_host", "--http-port": "http_port",
     "--chunk-size": "chunk_size", "--l1-size-gb": "l1_size_gb", "--eviction-policy": "eviction_policy",
-    "--max-workers": "max_workers", "--supported-transfer-mode": "transfer_mode", "--l2-adapter": "tiers",
+    "--max-workers": "max_workers", "--max-cpu-workers": "max_workers and r3.workers",
+    "--supported-transfer-mode": "transfer_mode", "--l2-adapter": "tiers",
     "--transport": "connector.server_url (only tcp:// is served)",
 }  # fmt: skip
 """``lmcache server`` flags lmcache_r3 sets from typed keys (the key to use instead): given again in ``extra_args``
@@ -132,6 +133,10 @@ class R3Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Store and return routed experts; off means a plain KV cache (the connector behaves as stock)."""
     namespace: str = "##r3"
     """Suffix appended to the model name of R3 objects, so KV lookups and KV events never see them."""
+    workers: Annotated[int, msgspec.Meta(ge=0, le=256)] = 2
+    """Threads added to the server's CPU pool for the R3 module (``--max-cpu-workers`` = ``server.max_workers`` +
+    this). R3 calls run on the pool that serves LMCache's KV lookups; with only ``max_workers`` threads, an R3
+    store and fetch in flight hold them all and every KV lookup waits behind them."""
     tier_timeout_s: PositiveSeconds | None = None
     """Longest the server waits for the L2 tiers to bring R3 objects into L1 for one lookup or fetch (past it the
     answer is a miss); default 0.8 x ``connector.r3_timeout_s``. Below that bound: the connector stops waiting then,

@@ -41,6 +41,8 @@ class ServerSettings:
     eviction_policy: str = "LRU"
     max_workers: int = 2
     """Worker threads; server modules share the CPU pool with lookups, so keep it >= 2."""
+    cpu_workers: int | None = None
+    """Threads of the CPU pool (lookups and server-module calls), when not ``max_workers``."""
     transfer_mode: str = "auto"
     """``auto`` lets a CPU worker (which asks for engine_driven) and lmcache_driven clients both connect."""
     server_modules: tuple[dict[str, Any], ...] = ()
@@ -72,6 +74,7 @@ def server_argv(settings: ServerSettings, program: str | None = None) -> list[st
         settings.eviction_policy,
         "--max-workers",
         str(settings.max_workers),
+        *(("--max-cpu-workers", str(settings.cpu_workers)) if settings.cpu_workers is not None else ()),
         "--supported-transfer-mode",
         settings.transfer_mode,
         "--disable-metrics",
@@ -321,6 +324,7 @@ def settings_from_config(config) -> ServerSettings:
         l1_size_gb=server.l1_size_gb,
         eviction_policy=server.eviction_policy,
         max_workers=server.max_workers,
+        cpu_workers=server.max_workers + config.r3.workers if config.r3.enabled else None,
         transfer_mode=server.transfer_mode,
         server_modules=modules,
         l2_adapters=tuple(l2_adapter_spec(tier) for tier in config.tiers),

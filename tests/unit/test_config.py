@@ -89,6 +89,12 @@ def test_path_comes_from_the_environment_variable(monkeypatch, tmp_path):
             {"server": {"extra_args": ["--http-host", "0.0.0.0"]}}, "what the http_host key sets", id="extra-http-host"
         ),
         pytest.param(
+            {"server": {"extra_args": ["--max-cpu-workers", "8"]}},
+            "'--max-cpu-workers' sets what the max_workers and r3.workers key sets",
+            id="extra-cpu-workers",
+        ),
+        pytest.param({"r3": {"workers": -1}}, "r3.workers", id="negative-r3-workers"),
+        pytest.param(
             {"server": {"extra_args": ["--separate-object-groups=true"]}},
             "'--separate-object-groups=true': --separate-object-groups takes no value",
             id="separate-groups-with-a-value",

@@ -112,3 +112,26 @@ def test_stores_settle_once_nothing_is_write_locked_and_the_count_held_still(rea
     watch = StoreSettling(settle_s=0.3)
     answers = [watch.settled(counts(objects, locked), now) for now, objects, locked in readings]
     assert (answers.index(True) if True in answers else None) == settled_at, answers
+
+
+@pytest.mark.parametrize(
+    ("document", "cpu_workers"),
+    [
+        ({}, "4"),  # 2 for LMCache's lookups, 2 more for R3 calls
+        ({"server": {"max_workers": 6}, "r3": {"workers": 3}}, "9"),
+        ({"r3": {"workers": 0}}, "2"),
+        ({"r3": {"enabled": False}}, None),  # no R3 module: LMCache's own sizing (max_workers)
+    ],
+)
+def test_r3_calls_get_threads_of_their_own_in_the_servers_cpu_pool(document, cpu_workers):
+    """R3 calls run on the pool that serves KV lookups: without threads of their own, an R3 store and fetch in
+    flight would hold every thread and the KV lookups of every engine would wait behind them."""
+    from lmcache_r3.config import parse_config
+    from lmcache_r3.mp.server_process import settings_from_config
+
+    argv = server_argv(settings_from_config(parse_config(document, "deploy.yaml")), program="lmcache")
+    assert flag_value(argv, "--max-workers") == str(parse_config(document, "deploy.yaml").server.max_workers)
+    if cpu_workers is None:
+        assert "--max-cpu-workers" not in argv
+    else:
+        assert flag_value(argv, "--max-cpu-workers") == cpu_workers
