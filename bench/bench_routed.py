@@ -547,8 +547,9 @@ def report(rounds: int, concurrent: int, models: list[str], batches: list[int]) 
         f"| {book['step_ms']:.2f} ms | {book['r3_ms']:.2f} ms | **{100 * book['fraction']:.1f}%** |",
         "",
         "R3 calls to the LMCache server in that run (each engine step sends one fetch call at most, whatever the "
-        f"number of requests in it, and R3 stores wait up to `r3_store_batch_steps`, {book['store_batch_steps']} "
-        "steps, to go out in one call with later ones): "
+        f"number of requests in it, and R3 stores of prompt chunks wait up to `r3_store_batch_steps`, "
+        f"{book['store_batch_steps']} steps, those of chunks holding generated tokens until their request ends, to "
+        "go out in one call with later ones): "
         + ", ".join(
             f"`{name}` {calls} calls for {items} requests" for name, (calls, items) in book["server_calls"].items()
         )
