@@ -454,7 +454,7 @@ class RoutedExpertsBook:
             self._take_step(worker_meta)
         if self._publish_due:
             self._publish_due_chunks()
-        if self._stores_due():
+        if self._unsent.due(self._reported):  # see lmcache_r3.mp.unsent_stores
             self._send_stores()
         if self._finishing:
             self._finish()
@@ -515,12 +515,6 @@ class RoutedExpertsBook:
             if item is not None:
                 prompt_chunks = item[1] + self.chunk_size <= state.request.num_prompt_tokens
                 self._unsent.add(request_id, item, prompt_chunks, self._reported)
-
-    def _stores_due(self) -> bool:
-        """Whether the unsent R3 stores go out now (see :mod:`.unsent_stores`): a request with R3 waiting ended
-        (finishing, or aborted: its next turn may look it up at once) or was preempted, a store of prompt tokens
-        waited ``store_batch_steps`` reported steps, or too many bytes wait."""
-        return self._unsent.due(self._reported)
 
     def _send_stores(self) -> None:
         """Send every unsent R3 store in one call."""
@@ -584,7 +578,7 @@ class RoutedExpertsBook:
         self._unsent.flush_for(request.request_id)
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._requests.pop(request.request_id, None)  # never published past what was complete; nothing to return
-            if self._stores_due():  # its complete chunks already read: sent now, whether or not a step follows
+            if self._unsent.due(self._reported):  # its complete chunks already read: sent now, a step or not
                 self._send_stores()
             return params
         params = {} if params is None else params

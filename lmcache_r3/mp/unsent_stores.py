@@ -19,6 +19,7 @@ chunk, each with its own copy of the prefix. Engine-free and server-free: testab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lmcache_r3.mp.r3_client import StoreSpec
@@ -30,15 +31,14 @@ TOKEN_ID_BYTES = 8
 @dataclass
 class _Unsent:
     request_id: str
-    tokens: list[int]
+    tokens: Sequence[int]
     start: int
     parts: list[bytes]
     end: int
     salt: str
 
     def spec(self) -> StoreSpec:
-        return (self.tokens, self.start, self.parts[0] if len(self.parts) == 1 else b"".join(self.parts), self.end,
-                self.salt)  # fmt: skip
+        return self.tokens, self.start, b"".join(self.parts), self.end, self.salt  # one part: joined without a copy
 
 
 class UnsentStores:
@@ -73,17 +73,16 @@ class UnsentStores:
             prompt_chunks: whether its first chunk holds prompt tokens only (see the module docstring).
         """
         tokens, start, objects, end, salt = item
-        token_list = tokens if isinstance(tokens, list) else list(tokens)
         last = self._last.get(request_id)
         if last is not None and last.end == start and last.salt == salt:
-            self.nbytes += TOKEN_ID_BYTES * (len(token_list) - len(last.tokens)) + len(objects)
-            last.tokens, last.end = token_list, end
+            self.nbytes += TOKEN_ID_BYTES * (len(tokens) - len(last.tokens)) + len(objects)
+            last.tokens, last.end = tokens, end
             last.parts.append(objects)
         else:
-            last = _Unsent(request_id, token_list, start, [objects], end, salt)
+            last = _Unsent(request_id, tokens, start, [objects], end, salt)
             self._items.append(last)
             self._last[request_id] = last
-            self.nbytes += TOKEN_ID_BYTES * len(token_list) + len(objects)
+            self.nbytes += TOKEN_ID_BYTES * len(tokens) + len(objects)
         if prompt_chunks and self._prompt_since is None:
             self._prompt_since = reported
 
@@ -94,12 +93,13 @@ class UnsentStores:
 
     def due(self, reported: int) -> bool:
         """Whether the held stores go out now, the latest reported step being ``reported``."""
-        flush_ids, self._flush_ids = self._flush_ids, set()
+        flushed = False
+        if self._flush_ids:  # most steps: nobody ended
+            flushed = not self._flush_ids.isdisjoint(self._last)
+            self._flush_ids.clear()
         if not self._items:
             return False
-        if self.batch_steps == 0 or self.nbytes >= self.max_nbytes:
-            return True
-        if flush_ids and not flush_ids.isdisjoint(self._last):
+        if flushed or self.batch_steps == 0 or self.nbytes >= self.max_nbytes:
             return True
         return self._prompt_since is not None and reported - self._prompt_since >= self.batch_steps
 

@@ -59,6 +59,15 @@ def test_too_many_bytes_waiting_send_everything():
     assert unsent.due(50)
 
 
+def test_a_request_that_ends_before_its_last_chunks_are_read_sends_them_in_that_step():
+    """vLLM reports a request finished before the step's rows arrive; its last chunks are read after that, in the
+    same engine step, and go out with the step's check."""
+    unsent = UnsentStores(batch_steps=2)
+    unsent.flush_for("a")
+    add(unsent, "a", store(8, 16), 0)
+    assert unsent.due(0)
+
+
 def test_an_ended_request_is_forgotten_once_checked():
     """A request that ended with nothing held does not flush the stores of a later check."""
     unsent = UnsentStores(batch_steps=2)
